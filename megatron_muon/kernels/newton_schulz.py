@@ -1,0 +1,143 @@
+"""Batched standard and Gram Newton–Schulz, written once over the op interface in `ops.py`.
+
+`orthogonalize` is the public entry: it puts the smaller side first, Frobenius-normalizes in fp32, picks the
+method (`auto` rule below) and the backend (Triton on sm80/sm90, torch elsewhere), and returns the input dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_muon.kernels.coefficients import Coefficient, resolve_coefficients
+from megatron_muon.kernels.ops import select_ops
+
+METHODS = ("standard", "gram", "auto")
+
+# `auto` uses Gram NS when max(m, n) / min(m, n) >= GRAM_MIN_ASPECT. Standard NS costs (20r + 10)·m³ FLOPs for
+# 5 steps at aspect r = n/m; Gram NS with one restart costs (8r + 28)·m³, so it breaks even near r = 1.5 on
+# FLOPs alone. Measured on one H200 (benchmarks/results/orthogonalize_auto.md, bf16 input, 5 quintic steps,
+# Triton symmetric kernels): square matrices are faster with standard NS; aspect >= 1.5 is faster with Gram NS.
+GRAM_MIN_ASPECT = 1.5
+
+# Iteration dtypes. Standard NS keeps X bounded (singular values <= ~1.2), so bf16 (Muon's convention) is enough.
+# Gram NS iterates on X·Xᵀ, which squares the condition number: fp16's 3 extra mantissa bits keep the small
+# eigenvalues resolved, and the values stay far inside fp16's range (R <= ~1.5, Q <= ~50 between restarts).
+STANDARD_DTYPE = torch.bfloat16
+GRAM_DTYPE = torch.float16
+
+
+def newton_schulz(X: torch.Tensor, schedule: Sequence[Coefficient], ops) -> torch.Tensor:
+    """Standard NS on a normalized batch X [b, m, n] with m <= n: X ← a·X + (b·A + c·A²)·X, A = X·Xᵀ."""
+    for a, b, c in schedule:
+        A = ops.sym_mm(X, X)
+        B = ops.sym_mm(A, A, A, alpha=c, beta=b)
+        X = ops.mm(B, X, X, beta=a)
+    return X
+
+
+def gram_newton_schulz(
+    X: torch.Tensor,
+    schedule: Sequence[Coefficient],
+    ops,
+    restarts: Sequence[int] = (2,),
+    transpose_output: bool = False,
+) -> torch.Tensor:
+    """Gram NS on a normalized batch X [b, m, n], m <= n: iterate the m×m Gram matrix R, apply Q once at the end.
+
+    Per iteration Z = b·R + c·R², P = a·I + Z, Q ← Q·P, R ← P·R·P (all symmetric and commuting, so every product
+    is a `sym_mm`). Rounding lets small eigenvalues of R drift negative, and R·P(R)² amplifies them each step;
+    a restart (X ← Q·X, R ← X·Xᵀ) before the iterations in `restarts` resets that error to one rounding.
+    Returns Q·X [b, m, n], or (Q·X)ᵀ = Xᵀ·Q [b, n, m] directly when `transpose_output`.
+    """
+    steps = len(schedule)
+    R = ops.sym_mm(X, X)
+    Q = None
+    for i, (a, b, c) in enumerate(schedule):
+        if i > 0 and i in restarts:
+            X = ops.mm(Q, X)
+            R = ops.sym_mm(X, X)
+            Q = None
+        Z = ops.sym_mm(R, R, R, alpha=c, beta=b)
+        if i + 1 < steps and (i + 1) not in restarts:
+            RP = ops.sym_mm(R, Z, R, beta=a)  # R·P = a·R + R·Z
+            R = ops.sym_mm(Z, RP, RP, beta=a)  # P·R·P = a·RP + Z·RP
+        if Q is None:
+            Q = Z
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = ops.sym_mm(Q, Z, Q, beta=a)  # Q·P = a·Q + Q·Z
+    if transpose_output:
+        return ops.mm(X.mT, Q)
+    return ops.mm(Q, X)
+
+
+def choose_method(m: int, n: int) -> str:
+    """The measured `auto` rule (see GRAM_MIN_ASPECT)."""
+    small, large = min(m, n), max(m, n)
+    return "gram" if small > 0 and large >= GRAM_MIN_ASPECT * small else "standard"
+
+
+def _check_inputs(G: torch.Tensor, method: str, eps: float, restarts) -> None:
+    if not isinstance(G, torch.Tensor):
+        raise TypeError(f"orthogonalize expects a torch.Tensor, got {type(G).__name__}")
+    if G.ndim not in (2, 3):
+        raise ValueError(
+            f"orthogonalize expects [m, n] or a stacked batch [b, m, n], got shape {tuple(G.shape)}; "
+            "reshape higher-rank parameters (e.g. conv weights) to 2-D first"
+        )
+    if not G.is_floating_point():
+        raise TypeError(f"orthogonalize needs a floating-point tensor, got {G.dtype}; cast with .float()")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid: {METHODS}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (guards the Frobenius normalization), got {eps}")
+    if any(isinstance(r, bool) or not isinstance(r, int) for r in restarts):
+        raise TypeError(f"restarts must be iteration indices (ints), got {restarts!r}")
+
+
+def orthogonalize(
+    G: torch.Tensor,
+    steps: int = 5,
+    coefficients="quintic",
+    method: str = "auto",
+    eps: float = 1e-7,
+    *,
+    restarts: Sequence[int] = (2,),
+    backend: str = "auto",
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Approximate the polar factor U·Vᵀ of G ([m, n] or [b, m, n]) with Newton–Schulz; same shape and dtype.
+
+    method: 'standard', 'gram' (iterate on the smaller-side Gram matrix; restarts before the iterations listed in
+    `restarts`, default before the 3rd), or 'auto' (Gram for aspect >= GRAM_MIN_ASPECT). backend: 'auto' (Triton
+    symmetric kernels on sm80/sm90 GPUs, torch elsewhere), 'torch' or 'triton'. compute_dtype overrides the
+    iteration dtype (bf16 for standard, fp16 for Gram).
+    """
+    restarts = tuple(restarts)
+    _check_inputs(G, method, eps, restarts)
+    schedule = resolve_coefficients(coefficients, steps)
+    if G.numel() == 0:
+        return torch.zeros_like(G)
+    X = G if G.ndim == 3 else G.unsqueeze(0)
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:
+        X = X.mT
+    m, n = X.shape[-2:]
+    chosen = choose_method(m, n) if method == "auto" else method
+    work_dtype = compute_dtype or (GRAM_DTYPE if chosen == "gram" else STANDARD_DTYPE)
+
+    X = X.to(torch.float32)
+    X = X / torch.linalg.matrix_norm(X, ord="fro", keepdim=True).clamp_min(eps)
+    X = X.to(work_dtype).contiguous()
+    ops = select_ops(X.device, backend)
+    if chosen == "gram":
+        Y = gram_newton_schulz(X, schedule, ops, restarts=restarts, transpose_output=transposed)
+    else:
+        Y = newton_schulz(X, schedule, ops)
+        if transposed:
+            Y = Y.mT
+    if G.ndim == 2:
+        Y = Y.squeeze(0)
+    return Y.to(G.dtype)

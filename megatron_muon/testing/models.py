@@ -1,0 +1,119 @@
+"""Tiny megatron-core models and one training step, shared by tests of every layer of the plugin."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+VOCAB_SIZE = 128
+SEQ_LENGTH = 32
+
+
+def tiny_transformer_config(**overrides: Any):
+    """A 2-layer, hidden-64 TransformerConfig that initializes on CPU, so every TP layout starts from the same
+    full weights (required for tp=1 vs tp=2 comparisons)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    settings = dict(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        normalization="RMSNorm",
+        params_dtype=torch.float32,
+    )
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def build_tiny_gpt(config=None, vocab_size: int = VOCAB_SIZE, seq_length: int = SEQ_LENGTH):
+    """A megatron GPTModel with the local (non-TE) spec, sized for CPU tests; this rank's pipeline stage only."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = config or tiny_transformer_config()
+    torch.manual_seed(1234)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        position_embedding_type="rope",
+    )
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+def synthetic_batch(step: int, micro_batch_size: int = 2, seq_length: int = SEQ_LENGTH, vocab_size: int = VOCAB_SIZE,
+                    dp_rank: int = 0) -> Batch:
+    """A deterministic batch per (step, dp_rank): a learnable pattern (next token = token + 1 mod vocab) plus noise."""
+    generator = torch.Generator().manual_seed(10_000 * step + dp_rank)
+    start = torch.randint(0, vocab_size, (micro_batch_size, 1), generator=generator)
+    tokens = (start + torch.arange(seq_length + 1)) % vocab_size
+    return Batch(
+        tokens=tokens[:, :-1].contiguous(),
+        labels=tokens[:, 1:].contiguous(),
+        position_ids=torch.arange(seq_length).expand(micro_batch_size, -1).contiguous(),
+        loss_mask=torch.ones(micro_batch_size, seq_length),
+    )
+
+
+def forward_backward(model, batches: list[Batch], seq_length: int = SEQ_LENGTH, forward_only: bool = False) -> float:
+    """Megatron's forward/backward schedule over `batches` (one per micro-batch); works for any pp.
+
+    Returns the mean loss on the last pipeline stage (0.0 elsewhere).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    data = iter(batches)
+
+    def forward_step(data_iterator, model_chunk):
+        batch = next(data_iterator)
+        output = model_chunk(batch.tokens, batch.position_ids, None, labels=batch.labels)
+
+        def loss_func(losses):
+            loss = (losses.float() * batch.loss_mask).sum() / batch.loss_mask.sum()
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    models = model if isinstance(model, list) else [model]
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=models,
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=batches[0].tokens.shape[0],
+        forward_only=forward_only,
+    )
+    if ps.is_pipeline_last_stage():
+        return float(torch.stack([entry["loss"] for entry in losses]).mean())
+    return 0.0

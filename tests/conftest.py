@@ -1,0 +1,48 @@
+"""Shared fixtures: one persistent gloo rank pool per world size (started once, reused by every test)."""
+
+import pytest
+import torch
+
+from megatron_muon.testing import RankPool
+
+_pools: dict[int, RankPool] = {}
+
+
+def _pool(world_size: int) -> RankPool:
+    pool = _pools.get(world_size)
+    if pool is None or pool.broken:
+        if pool is not None:
+            pool.close()
+        pool = _pools[world_size] = RankPool(world_size)
+    return pool
+
+
+@pytest.fixture
+def rank_pool_1() -> RankPool:
+    return _pool(1)
+
+
+@pytest.fixture
+def rank_pool_2() -> RankPool:
+    return _pool(2)
+
+
+@pytest.fixture
+def rank_pool_4() -> RankPool:
+    return _pool(4)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run on the GPU machine; here they are skipped with the reason stated."""
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine with `pytest -m gpu`)")
+    for item in items:
+        if "gpu" in item.keywords or "multigpu" in item.keywords:
+            item.add_marker(skip_gpu)
