@@ -1,1 +1,1 @@
-"""megatron_muon.cli."""
+"""The `megatron-muon` command line (see `megatron_muon.cli.main`)."""

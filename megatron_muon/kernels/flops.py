@@ -17,7 +17,7 @@ def flops(
     steps: int = 5,
     batch: int = 1,
     *,
-    restarts: Sequence[int] = (2,),
+    restarts: Sequence[int] | None = None,
     symmetric: bool = False,
 ) -> int:
     """FLOPs of `method` ('standard' | 'gram' | 'auto') on `batch` matrices of shape m×n.
@@ -26,7 +26,9 @@ def flops(
     symmetric=True counts symmetric products at half (what the lower-triangle Triton kernels do);
     the default counts full GEMMs, the usual basis for "effective" TFLOP/s.
     """
-    from megatron_muon.kernels.newton_schulz import choose_method
+    from megatron_muon.kernels.newton_schulz import DEFAULT_RESTARTS, choose_method
+
+    restarts = DEFAULT_RESTARTS if restarts is None else tuple(restarts)
 
     if method not in ("standard", "gram", "auto"):
         raise ValueError(f"unknown method {method!r}; valid: ('standard', 'gram', 'auto')")

@@ -15,17 +15,23 @@ from megatron_muon.kernels.ops import select_ops
 
 METHODS = ("standard", "gram", "auto")
 
-# `auto` uses Gram NS when max(m, n) / min(m, n) >= GRAM_MIN_ASPECT. Standard NS costs (20r + 10)·m³ FLOPs for
-# 5 steps at aspect r = n/m; Gram NS with one restart costs (8r + 28)·m³, so it breaks even near r = 1.5 on
-# FLOPs alone. Measured on one H200 (benchmarks/results/orthogonalize_auto.md, bf16 input, 5 quintic steps,
-# Triton symmetric kernels): square matrices are faster with standard NS; aspect >= 1.5 is faster with Gram NS.
+# `auto` uses Gram NS when max(m, n) / min(m, n) >= GRAM_MIN_ASPECT (see `flops`: on FLOPs alone Gram NS with
+# symmetric products breaks even near aspect 1). PROVISIONAL until measured on the H200.
 GRAM_MIN_ASPECT = 1.5
 
-# Iteration dtypes. Standard NS keeps X bounded (singular values <= ~1.2), so bf16 (Muon's convention) is enough.
-# Gram NS iterates on X·Xᵀ, which squares the condition number: fp16's 3 extra mantissa bits keep the small
-# eigenvalues resolved, and the values stay far inside fp16's range (R <= ~1.5, Q <= ~50 between restarts).
-STANDARD_DTYPE = torch.bfloat16
+# Iteration dtypes. Standard NS keeps X bounded (singular values <= ~1.2, entries far above fp16's subnormals), so
+# fp16 costs the same as bf16 (Muon's convention) and is ~7x more accurate against the fp64 iteration. Gram NS
+# iterates on X·Xᵀ, which squares the condition number: fp16's 3 extra mantissa bits keep small eigenvalues
+# resolved, and the values stay far inside fp16's range (R <= ~1.5, Q <= ~50 between restarts).
+STANDARD_DTYPE = torch.float16
 GRAM_DTYPE = torch.float16
+
+# Restart the Gram iteration before these iterations (0-based). Each R ← P·R·P update in fp16 amplifies the
+# relative error of small eigenvalues, so the error grows with the number of updates between restarts. On inputs
+# with singular values 1e-6..1 (tests/kernels), restarting before iteration 2 only leaves a 0.1-0.2 error in the
+# output singular values (0.8 with Polar Express); restarting before 2 and 4 brings it to 0.005-0.02, close to
+# standard NS, for ~25% more Gram FLOPs at aspect 4. No restart at all blows up (singular values > 100).
+DEFAULT_RESTARTS = (2, 4)
 
 
 def newton_schulz(X: torch.Tensor, schedule: Sequence[Coefficient], ops) -> torch.Tensor:
@@ -41,8 +47,9 @@ def gram_newton_schulz(
     X: torch.Tensor,
     schedule: Sequence[Coefficient],
     ops,
-    restarts: Sequence[int] = (2,),
+    restarts: Sequence[int] = DEFAULT_RESTARTS,
     transpose_output: bool = False,
+    observe_gram=None,
 ) -> torch.Tensor:
     """Gram NS on a normalized batch X [b, m, n], m <= n: iterate the m×m Gram matrix R, apply Q once at the end.
 
@@ -50,6 +57,7 @@ def gram_newton_schulz(
     is a `sym_mm`). Rounding lets small eigenvalues of R drift negative, and R·P(R)² amplifies them each step;
     a restart (X ← Q·X, R ← X·Xᵀ) before the iterations in `restarts` resets that error to one rounding.
     Returns Q·X [b, m, n], or (Q·X)ᵀ = Xᵀ·Q [b, n, m] directly when `transpose_output`.
+    `observe_gram(R)` is called on every Gram iterate R (diagnostics: its eigenvalues must stay >= 0).
     """
     steps = len(schedule)
     R = ops.sym_mm(X, X)
@@ -59,6 +67,8 @@ def gram_newton_schulz(
             X = ops.mm(Q, X)
             R = ops.sym_mm(X, X)
             Q = None
+        if observe_gram is not None:
+            observe_gram(R)
         Z = ops.sym_mm(R, R, R, alpha=c, beta=b)
         if i + 1 < steps and (i + 1) not in restarts:
             RP = ops.sym_mm(R, Z, R, beta=a)  # R·P = a·R + R·Z
@@ -104,15 +114,15 @@ def orthogonalize(
     method: str = "auto",
     eps: float = 1e-7,
     *,
-    restarts: Sequence[int] = (2,),
+    restarts: Sequence[int] = DEFAULT_RESTARTS,
     backend: str = "auto",
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Approximate the polar factor U·Vᵀ of G ([m, n] or [b, m, n]) with Newton–Schulz; same shape and dtype.
 
     method: 'standard', 'gram' (iterate on the smaller-side Gram matrix; restarts before the iterations listed in
-    `restarts`, default before the 3rd), or 'auto' (Gram for aspect >= GRAM_MIN_ASPECT). backend: 'auto' (Triton
-    symmetric kernels on sm80/sm90 GPUs, torch elsewhere), 'torch' or 'triton'. compute_dtype overrides the
+    `restarts`, default before the 3rd and 5th), or 'auto' (Gram for aspect >= GRAM_MIN_ASPECT). backend: 'auto'
+    (Triton symmetric kernels on sm80/sm90 GPUs, torch elsewhere), 'torch' or 'triton'. compute_dtype overrides the
     iteration dtype (bf16 for standard, fp16 for Gram).
     """
     restarts = tuple(restarts)

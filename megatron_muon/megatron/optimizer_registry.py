@@ -1,5 +1,130 @@
-"""Registration of the plugin's optimizers into megatron-core's optimizer factory."""
+"""Registration of the plugin's Muon into megatron-core's emerging-optimizer registry.
+
+After `register_optimizers()`:
+- `OptimizerConfig(optimizer="muon")` (Megatron-LM's `--optimizer muon`) builds `megatron_muon.optimizer.Muon`
+  for the matrices and megatron's scalar optimizer (AdamW by default) for everything else, in bf16, fp16 (with
+  loss scaling) or fp32, without the emerging-optimizers package;
+- `dist_muon` (or `muon` with `use_layer_wise_distributed_optimizer`) goes through `build_dist_muon`, which for
+  now wraps ours in megatron's LayerWiseDistributedOptimizer;
+- upstream's TensorParallelMuon stays available as `mcore_muon` / `dist_mcore_muon` for comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from megatron_muon.megatron.loss_scaling import attach_fp16_loss_scaling, bf16_twin
+from megatron_muon.megatron.muon_config import muon_kwargs_from_config
+from megatron_muon.optimizer.muon import Muon
+from megatron_muon.optimizer.routing import is_muon_param
+
+MUON_NAME = "muon"
+UPSTREAM_MUON_NAME = "mcore_muon"
+_NOT_A_MATRIX_PREDICATE = "megatron_muon_not_a_muon_matrix"
+
+# megatron-core's own factory, kept so names that are not ours go through it unchanged.
+_upstream_build = None
+
+
+def init_muon_state(optimizer, config=None) -> None:
+    """Create every momentum buffer (megatron's checkpoint loading needs state before the first step)."""
+    for group in optimizer.param_groups:
+        optimizer._init_group(group, skip_non_grad_params=False)
+
+
+def _routing_overrides():
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
+
+    predicate = ParamWithNamePredicate(
+        name=_NOT_A_MATRIX_PREDICATE, fn=lambda param, name: not is_muon_param(param, name)
+    )
+    return {ParamKey(with_name_predicate=predicate): {"optimizer": "adam"}}
+
+
+def build_dist_muon(config, model_chunks, config_overrides, pg_collection):
+    """`dist_muon`: our Muon inside megatron's LayerWiseDistributedOptimizer (megatron does the wrapping).
+
+    This is the one place the distributed path is chosen; the owner-centric distributed Muon replaces it via
+    `set_dist_muon_builder`.
+    """
+    return _upstream_build(config, model_chunks, config_overrides, pg_collection)
+
+
+_dist_muon_builder = build_dist_muon
+
+
+def set_dist_muon_builder(builder) -> None:
+    """Route `dist_muon` to `builder(config, model_chunks, config_overrides, pg_collection)`."""
+    global _dist_muon_builder
+    _dist_muon_builder = builder
+
+
+@contextlib.contextmanager
+def _emerging_optimizers_not_required():
+    """megatron-core refuses every emerging optimizer without the emerging-optimizers package; ours needs none."""
+    import megatron.core.optimizer as mcore_optimizer
+
+    saved = mcore_optimizer.HAVE_EMERGING_OPTIMIZERS
+    mcore_optimizer.HAVE_EMERGING_OPTIMIZERS = True
+    try:
+        yield
+    finally:
+        mcore_optimizer.HAVE_EMERGING_OPTIMIZERS = saved
+
+
+def _is_ours(optimizer_name: str) -> bool:
+    return optimizer_name in (MUON_NAME, "dist_" + MUON_NAME)
+
+
+def build_emerging_optimizer(config, model_chunks, config_overrides=None, pg_collection=None):
+    """Stand-in for megatron's `_get_megatron_emerging_optimizer` that adds what ours supports beyond upstream."""
+    if not _is_ours(config.optimizer):
+        return _upstream_build(config, model_chunks, config_overrides, pg_collection)
+    import megatron.core.optimizer as mcore_optimizer
+
+    if config.muon_scalar_optimizer == "lion" and not mcore_optimizer.HAVE_EMERGING_OPTIMIZERS:
+        raise ImportError(
+            "muon_scalar_optimizer='lion' needs the emerging-optimizers package "
+            "(`pip install emerging-optimizers`); or use muon_scalar_optimizer='adam'"
+        )
+    if config_overrides is None:
+        config_overrides = mcore_optimizer.get_standard_config_overrides(config)
+    layer_wise = config.optimizer.startswith("dist_") or config.use_layer_wise_distributed_optimizer
+    if config.fp16 and layer_wise:
+        raise ValueError("dist_muon supports bf16 and fp32; for fp16 use optimizer='muon' (loss scaling included)")
+    builder = _dist_muon_builder if layer_wise else _upstream_build
+    build_config = bf16_twin(config) if config.fp16 else config
+    with _emerging_optimizers_not_required():
+        optimizer = builder(build_config, model_chunks, config_overrides, pg_collection)
+    if config.fp16:
+        optimizer = attach_fp16_loss_scaling(optimizer, config)
+    return optimizer
 
 
 def register_optimizers() -> None:
-    """Filled by the Muon optimizer: puts `muon`/`dist_muon` entries into megatron-core's registry."""
+    """Put our Muon into megatron-core's registry as `muon` (idempotent); upstream's stays as `mcore_muon`."""
+    global _upstream_build
+    import megatron.core.optimizer as mcore_optimizer
+    from megatron.core.optimizer import emerging_optimizers as mcore_registry
+
+    registry = mcore_registry._EMERGING_OPTIMIZERS
+    if _upstream_build is None:
+        _upstream_build = mcore_optimizer._get_megatron_emerging_optimizer
+    upstream_entry = registry.get(MUON_NAME)
+    if upstream_entry is not None and upstream_entry.optimizer_cls is not Muon:
+        registry.setdefault(UPSTREAM_MUON_NAME, upstream_entry)
+    registry[MUON_NAME] = mcore_registry.EmergingOptimizerEntry(
+        optimizer_cls=Muon,
+        init_state_fn=init_muon_state,
+        config_to_kwargs=muon_kwargs_from_config,
+        default_param_overrides=_routing_overrides(),
+    )
+    mcore_optimizer._get_megatron_emerging_optimizer = build_emerging_optimizer
+
+
+def is_registered() -> bool:
+    """Whether megatron-core's `muon` currently builds ours."""
+    from megatron.core.optimizer import emerging_optimizers as mcore_registry
+
+    entry = mcore_registry._EMERGING_OPTIMIZERS.get(MUON_NAME)
+    return entry is not None and entry.optimizer_cls is Muon

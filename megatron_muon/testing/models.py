@@ -40,6 +40,7 @@ def tiny_transformer_config(**overrides: Any):
         params_dtype=torch.float32,
     )
     settings.update(overrides)
+    settings.setdefault("pipeline_dtype", torch.bfloat16 if settings.get("bf16") else torch.float32)
     return TransformerConfig(**settings)
 
 
@@ -50,8 +51,7 @@ def build_tiny_gpt(config=None, vocab_size: int = VOCAB_SIZE, seq_length: int = 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = config or tiny_transformer_config()
-    torch.manual_seed(1234)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
         vocab_size=vocab_size,
@@ -60,6 +60,66 @@ def build_tiny_gpt(config=None, vocab_size: int = VOCAB_SIZE, seq_length: int = 
         post_process=ps.is_pipeline_last_stage(),
         position_embedding_type="rope",
     )
+    reinitialize_by_global_name(model)
+    return model
+
+
+def global_parameter_names(model) -> dict[str, torch.nn.Parameter]:
+    """Parameters keyed by a name that is the same in every pipeline layout (layer indices made global)."""
+    import re
+
+    layer_numbers = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "layer_number") and re.search(r"layers\.\d+$", name):
+            layer_numbers[name] = module.layer_number - 1
+    result = {}
+    for name, param in model.named_parameters():
+        for prefix, number in layer_numbers.items():
+            if name.startswith(prefix + "."):
+                head = prefix.rsplit(".", 1)[0]
+                name = f"{head}.{number}.{name[len(prefix) + 1:]}"
+                break
+        while name.startswith("module."):
+            name = name[len("module."):]
+        result[name] = param
+    return result
+
+
+def shard_of(full: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+    """This tp rank's shard of `full`, following megatron's (possibly strided) partitioning of `param`."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+    return torch.cat([chunk.chunk(tp, dim=dim)[rank] for chunk in full.chunk(stride, dim=dim)], dim=dim)
+
+
+def full_shape(param: torch.nn.Parameter) -> list[int]:
+    from megatron.core import parallel_state as ps
+
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+    return shape
+
+
+@torch.no_grad()
+def reinitialize_by_global_name(model, std: float = 0.05) -> None:
+    """Give every parameter values that depend only on its global name, so any (tp, pp) layout starts from exactly
+    the same full model: matrices ~ N(0, std²), norm weights 1, other vectors 0."""
+    import zlib
+
+    for name, param in global_parameter_names(model).items():
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        if param.dim() >= 2:
+            full = torch.randn(full_shape(param), generator=generator) * std
+        elif "norm" in name or "layernorm" in name:
+            full = torch.ones(full_shape(param))
+        else:
+            full = torch.zeros(full_shape(param))
+        param.copy_(shard_of(full, param).to(param.dtype))
 
 
 @dataclass
@@ -70,10 +130,10 @@ class Batch:
     loss_mask: torch.Tensor
 
 
-def synthetic_batch(step: int, micro_batch_size: int = 2, seq_length: int = SEQ_LENGTH, vocab_size: int = VOCAB_SIZE,
-                    dp_rank: int = 0) -> Batch:
-    """A deterministic batch per (step, dp_rank): a learnable pattern (next token = token + 1 mod vocab) plus noise."""
-    generator = torch.Generator().manual_seed(10_000 * step + dp_rank)
+def synthetic_batch(index: int, micro_batch_size: int = 2, seq_length: int = SEQ_LENGTH,
+                    vocab_size: int = VOCAB_SIZE) -> Batch:
+    """Micro-batch number `index` of a deterministic stream with a learnable pattern (next token = token + 1)."""
+    generator = torch.Generator().manual_seed(10_000 + index)
     start = torch.randint(0, vocab_size, (micro_batch_size, 1), generator=generator)
     tokens = (start + torch.arange(seq_length + 1)) % vocab_size
     return Batch(
@@ -93,6 +153,7 @@ def forward_backward(model, batches: list[Batch], seq_length: int = SEQ_LENGTH, 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     data = iter(batches)
+    recorded: list[float] = []  # per-micro-batch losses as computed, independent of megatron's reporting scale
 
     def forward_step(data_iterator, model_chunk):
         batch = next(data_iterator)
@@ -100,12 +161,13 @@ def forward_backward(model, batches: list[Batch], seq_length: int = SEQ_LENGTH, 
 
         def loss_func(losses):
             loss = (losses.float() * batch.loss_mask).sum() / batch.loss_mask.sum()
+            recorded.append(float(loss.detach()))
             return loss, {"loss": loss.detach()}
 
         return output, loss_func
 
     models = model if isinstance(model, list) else [model]
-    losses = get_forward_backward_func()(
+    get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data,
         model=models,
@@ -115,5 +177,6 @@ def forward_backward(model, batches: list[Batch], seq_length: int = SEQ_LENGTH, 
         forward_only=forward_only,
     )
     if ps.is_pipeline_last_stage():
-        return float(torch.stack([entry["loss"] for entry in losses]).mean())
+        assert len(recorded) == len(batches)
+        return sum(recorded) / len(recorded)
     return 0.0

@@ -7,6 +7,7 @@ failure on any rank is raised in the test with that rank's traceback.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import multiprocessing as mp
 import os
@@ -70,12 +71,13 @@ class RankPool:
             proc = ctx.Process(
                 target=_worker_main,
                 args=(rank, world_size, port, child_conn, list(sys.path), threads),
-                daemon=True,
+                daemon=False,  # dist_checkpointing's async writer starts child processes of its own
                 name=f"rank{rank}",
             )
             proc.start()
             self._conns.append(parent_conn)
             self._procs.append(proc)
+        atexit.register(self.close)
         self._gather("start")
 
     def _gather(self, what: str) -> list[Any]:

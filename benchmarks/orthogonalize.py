@@ -1,0 +1,214 @@
+"""Orthogonalization speed on the reference model's 96 Megatron-fused matrices, all baselines in one run (GPU).
+
+Methods: torch.optim.Muon's per-matrix NS (its internal `_zeropower_via_newtonschulz`), our standard / gram / auto
+(stacked per shape, Triton symmetric kernels), our gram on the torch backend, gram restarted only before
+iteration 2, and megatron-core's emerging_optimizers `newton_schulz` (per matrix, fp32 input as Megatron passes it;
+once with fp32 GEMMs, once in its bf16 mode). Inputs are pre-stacked per shape (stacking is the optimizer's job).
+
+    python benchmarks/orthogonalize.py --out benchmarks/results/orthogonalize.md [--auto-sweep FILE]
+
+Effective TFLOP/s = FLOPs of standard NS with full GEMMs (the work torch.optim.Muon does) / time, so it compares
+methods on equal terms; "achieved" counts what the method executes (symmetric products at half).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_muon.kernels import flops, orthogonalize  # noqa: E402
+from megatron_muon.kernels.coefficients import QUINTIC  # noqa: E402
+from megatron_muon.kernels.reference import newton_schulz_reference  # noqa: E402
+
+# hybrid-1.5B (DESIGN.md): name -> ((rows, cols), count); 96 matrices.
+REFERENCE_SHAPES = {
+    "gdn in_proj": ((9228, 2048), 18),
+    "gdn out_proj": ((2048, 3072), 18),
+    "attn qkv": ((3072, 2048), 6),
+    "attn proj": ((2048, 2048), 6),
+    "fc1": ((11264, 2048), 24),
+    "fc2": ((2048, 5632), 24),
+}
+STEPS = 5
+
+
+def cuda_ms(fn, warmup: int, reps: int) -> float:
+    """Median milliseconds over `reps` timed calls (CUDA events), after `warmup` untimed ones (autotune, JIT)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def torch_muon_ns():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return lambda g: _zeropower_via_newtonschulz(g, QUINTIC, STEPS, 1e-7)
+
+
+def emerging_ns(precision: str):
+    try:
+        from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
+    except ImportError:
+        return None
+
+    def run(g32):
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            return newton_schulz(g32, steps=STEPS, coefficient_type="quintic")
+        finally:
+            torch.set_float32_matmul_precision(previous)
+
+    return run
+
+
+def method_table():
+    """name -> (kind, callable, method for the FLOP count). kind 'matrix' runs per matrix, 'stack' per stack."""
+    table = {"torch.optim.Muon NS": ("matrix", torch_muon_ns(), "torch_muon")}
+    for method in ("standard", "gram", "auto"):
+        table[f"ours {method}"] = ("stack", lambda G, m=method: orthogonalize(G, method=m), method)
+    table["ours gram, torch backend"] = (
+        "stack",
+        lambda G: orthogonalize(G, method="gram", backend="torch"),
+        "gram_torch",
+    )
+    table["ours gram, restart (2,)"] = ("stack", lambda G: orthogonalize(G, method="gram", restarts=(2,)), "gram2")
+    for precision, label in (("highest", "fp32 GEMMs"), ("medium", "bf16 mode")):
+        fn = emerging_ns(precision)
+        if fn is not None:
+            table[f"emerging_optimizers NS ({label})"] = ("matrix32", fn, "emerging")
+    return table
+
+
+def executed_flops(method: str, m: int, n: int, count: int) -> int:
+    if method in ("torch_muon", "emerging"):
+        return flops(m, n, "standard", STEPS, count)
+    if method == "gram_torch":
+        return flops(m, n, "gram", STEPS, count)
+    if method == "gram2":
+        return flops(m, n, "gram", STEPS, count, restarts=(2,), symmetric=True)
+    return flops(m, n, method, STEPS, count, symmetric=True)
+
+
+def relative_error(fn, kind, G: torch.Tensor) -> float:
+    """Against the fp64 iteration on one matrix of the shape (quality next to speed)."""
+    x = G.float() if kind == "matrix32" else G
+    out = fn(x) if kind != "stack" else fn(x.unsqueeze(0))[0]
+    ref = newton_schulz_reference(G, STEPS, "quintic")
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def run_reference_set(args) -> tuple[list[str], dict]:
+    torch.manual_seed(0)
+    stacks = {
+        name: torch.randn(count, *shape, device="cuda", dtype=torch.bfloat16)
+        for name, (shape, count) in REFERENCE_SHAPES.items()
+    }
+    stacks32 = {name: s.float() for name, s in stacks.items()}
+    table = method_table()
+    rows, totals = [], {}
+    for label, (kind, fn, method) in table.items():
+        per_shape, all_fns = {}, []
+        for name, ((m, n), count) in REFERENCE_SHAPES.items():
+            src = stacks32[name] if kind == "matrix32" else stacks[name]
+            if kind == "stack":
+                call = lambda src=src: fn(src)  # noqa: E731
+            else:
+                call = lambda src=src: [fn(src[i]) for i in range(src.size(0))]  # noqa: E731
+            all_fns.append(call)
+            slow = label.startswith("emerging") and "fp32" in label
+            ms = cuda_ms(call, 1 if slow else args.warmup, 2 if slow else args.reps)
+            err = relative_error(fn, kind, stacks[name][0])
+            per_shape[name] = (ms, err)
+        whole = cuda_ms(lambda: [f() for f in all_fns], 1, 2 if label.startswith("emerging") else args.reps)
+        totals[label] = whole
+        per_shape["whole set"] = (whole, None)
+        for name, (ms, err) in per_shape.items():
+            if name == "whole set":
+                work = sum(flops(m, n, "standard", STEPS, c) for (m, n), c in REFERENCE_SHAPES.values())
+                done = sum(executed_flops(method, m, n, c) for (m, n), c in REFERENCE_SHAPES.values())
+            else:
+                (m, n), c = REFERENCE_SHAPES[name]
+                work, done = flops(m, n, "standard", STEPS, c), executed_flops(method, m, n, c)
+            rows.append((label, name, ms, work / ms / 1e9, done / ms / 1e9, err))
+        print(f"{label:40s} whole set {whole:9.2f} ms", flush=True)
+    base = totals["torch.optim.Muon NS"]
+    lines = [
+        "| method | shape (count) | ms | effective TFLOP/s | achieved TFLOP/s | rel. err vs fp64 | × torch Muon |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, name, ms, eff, ach, err in rows:
+        count = f" ({REFERENCE_SHAPES[name][1]})" if name in REFERENCE_SHAPES else " (96)"
+        ratio = f"{totals[label] / base:.3f}" if name == "whole set" else ""
+        err_s = f"{err:.4f}" if err is not None else ""
+        lines.append(f"| {label} | {name}{count} | {ms:.2f} | {eff:.0f} | {ach:.0f} | {err_s} | {ratio} |")
+    return lines, totals
+
+
+def run_auto_sweep(args) -> list[str]:
+    """Standard vs Gram (Triton) over aspect ratios: the measurement behind GRAM_MIN_ASPECT."""
+    lines = ["| m × n | batch | standard ms | gram ms | gram / standard |", "|---|---:|---:|---:|---:|"]
+    for m in (1024, 2048):
+        for aspect in (1.0, 1.25, 1.5, 2.0, 2.75, 4.0):
+            n = int(m * aspect)
+            batch = 8 if m == 1024 else 4
+            G = torch.randn(batch, m, n, device="cuda", dtype=torch.bfloat16)
+            t_std = cuda_ms(lambda: orthogonalize(G, method="standard"), args.warmup, args.reps)
+            t_gram = cuda_ms(lambda: orthogonalize(G, method="gram"), args.warmup, args.reps)
+            lines.append(f"| {m} × {n} | {batch} | {t_std:.3f} | {t_gram:.3f} | {t_gram / t_std:.3f} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def header(command: str) -> list[str]:
+    import triton
+
+    return [
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- GPU: {torch.cuda.get_device_name()}",
+        f"- torch {torch.__version__}, Triton {triton.__version__}, CUDA {torch.version.cuda}",
+        f"- command: `{command}`",
+        f"- {STEPS} quintic steps, bf16 inputs (fp32 for emerging_optimizers), median of {{reps}} CUDA-event timings",
+    ]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="markdown result for the reference set")
+    parser.add_argument("--auto-sweep", type=Path, help="also write the standard-vs-Gram aspect sweep here")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/orthogonalize.py needs a CUDA GPU")
+    command = "python " + " ".join(sys.argv)
+    head = [line.replace("{reps}", str(args.reps)) for line in header(command)]
+    if args.auto_sweep:
+        sweep = run_auto_sweep(args)
+        args.auto_sweep.write_text("# Standard vs Gram NS by aspect ratio (auto rule)\n\n" + "\n".join(head + [""] + sweep) + "\n")
+    lines, totals = run_reference_set(args)
+    base = totals["torch.optim.Muon NS"]
+    summary = [f"- whole set, {label}: {ms:.2f} ms = {ms / base:.3f}× torch.optim.Muon" for label, ms in totals.items()]
+    body = "# Orthogonalization of the reference set (96 matrices)\n\n" + "\n".join(head + [""] + summary + [""] + lines)
+    args.out.write_text(body + "\n")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Moving matrix shards between the ranks of one pipeline stage and the owners that orthogonalize them.
+
+A stage's ranks form a grid: a data-parallel index d and a tensor-parallel index t, slot = d·tp + t. A matrix
+owned by slot (d_o, t_o) is assembled from the TP shards of row d_o only (gradients are identical across rows
+once data-parallel reduction is done), and its update travels back the same way: one all-to-all inside the
+owner's TP row, then one all-gather across rows. Each of the two collectives carries every matrix of the step in
+one flat buffer, so the message count does not grow with the number of matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+@dataclass(frozen=True)
+class UnitShard:
+    """One matrix as this rank sees it: its full shape and along which dim (if any) TP splits it evenly."""
+
+    full_shape: tuple[int, int]
+    partition_dim: int | None  # None: every TP rank holds the whole matrix
+
+    def local_shape(self, tp_size: int) -> tuple[int, int]:
+        if self.partition_dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.partition_dim] //= tp_size
+        return shape[0], shape[1]
+
+
+class StageGrid:
+    """The DP×TP ranks of one pipeline stage, addressed by slot = dp_index·tp_size + tp_index."""
+
+    def __init__(self, tp_group=None, dp_group=None):
+        self.tp_group, self.dp_group = tp_group, dp_group
+        self.tp_size, self.tp_index = _size(tp_group), _rank(tp_group)
+        self.dp_size, self.dp_index = _size(dp_group), _rank(dp_group)
+
+    @property
+    def num_slots(self) -> int:
+        return self.tp_size * self.dp_size
+
+    @property
+    def slot(self) -> int:
+        return self.dp_index * self.tp_size + self.tp_index
+
+    def row_of(self, slot: int) -> int:
+        return slot // self.tp_size
+
+    def column_of(self, slot: int) -> int:
+        return slot % self.tp_size
+
+    def all_equal(self, value: int) -> bool:
+        """True when every rank of the stage passed the same int64 (min == max over TP, then DP)."""
+        lo = torch.tensor([value], dtype=torch.int64)
+        hi = lo.clone()
+        for group in (self.tp_group, self.dp_group):
+            if _size(group) > 1:
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        return int(lo) == int(hi)
+
+    def max_over_stage(self, value: int) -> int:
+        flag = torch.tensor([value], dtype=torch.int64)
+        for group in (self.tp_group, self.dp_group):
+            if _size(group) > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return int(flag)
+
+    def broadcast_from_first_slot(self, values: torch.Tensor) -> torch.Tensor:
+        """Slot 0's `values` on every rank (TP row 0 first, then down each DP column)."""
+        values = values.clone()
+        if self.tp_size > 1:
+            dist.broadcast(values, dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        if self.dp_size > 1:
+            dist.broadcast(values, dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
+        return values
+
+
+def _all_to_all(send: list[torch.Tensor], recv_numels: list[int], group, like: torch.Tensor) -> list[torch.Tensor]:
+    """send[i] (flat) goes to group rank i; returns the flat pieces each group rank sent here."""
+    send_numels = [s.numel() for s in send]
+    flat_in = torch.cat(send) if send else like.new_empty(0)
+    flat_out = like.new_empty(sum(recv_numels))
+    dist.all_to_all_single(flat_out, flat_in, recv_numels, send_numels, group=group)
+    return list(flat_out.split(recv_numels))
+
+
+def _all_gather_flat(flat: torch.Tensor, numels: list[int], group) -> list[torch.Tensor]:
+    """Every rank's flat buffer (sizes known in advance) through one all-gather of equal, padded buffers
+    (gloo rejects unequal sizes; the padding is at most the imbalance between rows)."""
+    width = max(numels)
+    if width == 0:
+        return [flat.new_empty(0) for _ in numels]
+    padded = flat.new_zeros(width)
+    padded[: flat.numel()] = flat
+    parts = [flat.new_empty(width) for _ in numels]
+    dist.all_gather(parts, padded, group=group)
+    return [part[:n] for part, n in zip(parts, numels)]
+
+
+def gather_to_owners(
+    grid: StageGrid, units: Sequence[UnitShard], owners: Sequence[int], local: Sequence[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Full matrices of the units this rank owns, from every rank's local [rows, cols] shards.
+
+    `local[u]` is this rank's shard of unit u (all units, same order on every rank). Returns {u: full matrix}
+    for the units whose owner is this rank's slot."""
+    me, row, tp = grid.slot, grid.dp_index, grid.tp_size
+    mine = [u for u, o in enumerate(owners) if o == me]
+    if tp == 1:
+        return {u: local[u] for u in mine}
+    like = local[0] if local else torch.empty(0)
+    sharded_to = [[] for _ in range(tp)]  # per TP peer: units it owns that TP splits
+    for u, owner in enumerate(owners):
+        if grid.row_of(owner) == row and units[u].partition_dim is not None:
+            sharded_to[grid.column_of(owner)].append(u)
+    send = [torch.cat([local[u].reshape(-1).to(like.dtype) for u in us]) if us else like.new_empty(0)
+            for us in sharded_to]
+    mine_sharded = sharded_to[grid.tp_index]
+    per_peer = sum(local[u].numel() for u in mine_sharded)
+    received = _all_to_all(send, [per_peer] * tp, grid.tp_group, like)
+    full = {u: local[u] for u in mine if units[u].partition_dim is None}
+    offsets = [0] * tp
+    for u in mine_sharded:
+        shape, numel = local[u].shape, local[u].numel()
+        shards = []
+        for peer in range(tp):
+            shards.append(received[peer][offsets[peer] : offsets[peer] + numel].view(shape))
+            offsets[peer] += numel
+        full[u] = torch.cat(shards, dim=units[u].partition_dim)
+    return full
+
+
+def scatter_from_owners(
+    grid: StageGrid, units: Sequence[UnitShard], owners: Sequence[int], owned: dict[int, torch.Tensor],
+    like: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Inverse of `gather_to_owners`: every rank's local [rows, cols] shard of every unit, from the owners' full
+    matrices `owned` ({u: full}); dtype of `like`."""
+    me, row, tp = grid.slot, grid.dp_index, grid.tp_size
+    local_shapes = [unit.local_shape(tp) for unit in units]
+
+    # 1) inside this TP row: each owner hands every peer its slice (or the whole matrix when TP replicates it)
+    if tp == 1:
+        row_parts = {u: owned[u].to(like.dtype) for u in owned}
+    else:
+        mine = [u for u, o in enumerate(owners) if o == me]
+        send = []
+        for peer in range(tp):
+            pieces = [
+                (owned[u] if units[u].partition_dim is None else owned[u].chunk(tp, dim=units[u].partition_dim)[peer])
+                .reshape(-1).to(like.dtype) for u in mine
+            ]
+            send.append(torch.cat(pieces) if pieces else like.new_empty(0))
+        from_peer = [[u for u, o in enumerate(owners) if o == row * tp + peer] for peer in range(tp)]
+        numels = [sum(local_shapes[u][0] * local_shapes[u][1] for u in us) for us in from_peer]
+        received = _all_to_all(send, numels, grid.tp_group, like)
+        row_parts = {}
+        for peer, us in enumerate(from_peer):
+            offset = 0
+            for u in us:
+                n = local_shapes[u][0] * local_shapes[u][1]
+                row_parts[u] = received[peer][offset : offset + n].view(local_shapes[u])
+                offset += n
+    if grid.dp_size == 1:
+        return [row_parts[u] for u in range(len(units))]
+
+    # 2) across rows: every row shares what its owners produced for this TP column
+    row_units = [[u for u, o in enumerate(owners) if grid.row_of(o) == r] for r in range(grid.dp_size)]
+    numels = [sum(local_shapes[u][0] * local_shapes[u][1] for u in us) for us in row_units]
+    mine_flat = [row_parts[u].reshape(-1) for u in row_units[row]]
+    flat = torch.cat(mine_flat) if mine_flat else like.new_empty(0)
+    gathered = _all_gather_flat(flat, numels, grid.dp_group)
+    result: list[torch.Tensor | None] = [None] * len(units)
+    for r, us in enumerate(row_units):
+        offset = 0
+        for u in us:
+            n = local_shapes[u][0] * local_shapes[u][1]
+            result[u] = gathered[r][offset : offset + n].view(local_shapes[u])
+            offset += n
+    assert all(t is not None for t in result), "a unit has no owner row"
+    return result  # type: ignore[return-value]

@@ -1,0 +1,142 @@
+"""Triton kernel for symmetric products: out = alpha·A·Bᵀ + beta·C when the result is known to be symmetric.
+
+Covers X·Xᵀ (B = A), b·R + c·R² (B = C = R) and products of commuting symmetric matrices (Q·Z, R·Z). Only the
+tiles on and below the diagonal are computed; each off-diagonal tile is stored twice (itself and its mirror), so
+the products cost about half a GEMM. Batched over dim 0; every offset is computed in int64 so a batch whose
+elements start beyond 2³¹ elements indexes correctly. Autotuned per (rows, inner dim) on the GPU; a fixed small
+config under TRITON_INTERPRET=1 (CPU debugging).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_muon.kernels.ops import TorchOps
+
+
+@triton.jit
+def _lower_tile_coordinates(pid):
+    """Linear index over the lower-triangular tiles -> (row tile i, col tile j) with j <= i."""
+    i = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int64)
+    # float rounding can land one off; correct both ways.
+    i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
+    i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)
+    return i, pid - i * (i + 1) // 2
+
+
+@triton.jit
+def _sym_mm_kernel(
+    A, B, C, Out,
+    M, K,
+    stride_a_batch, stride_a_row, stride_a_col,
+    stride_b_batch, stride_b_row, stride_b_col,
+    stride_c_batch, stride_c_row, stride_c_col,
+    stride_o_batch, stride_o_row, stride_o_col,
+    alpha, beta,
+    HAS_C: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    batch = tl.program_id(1).to(tl.int64)
+    tile_i, tile_j = _lower_tile_coordinates(pid)
+    rows = tile_i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    cols = tile_j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inner = tl.arange(0, BLOCK_K).to(tl.int64)
+
+    a_ptrs = A + batch * stride_a_batch + rows[:, None] * stride_a_row + inner[None, :] * stride_a_col
+    b_ptrs = B + batch * stride_b_batch + cols[None, :] * stride_b_row + inner[:, None] * stride_b_col
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + inner) < K
+        a = tl.load(a_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(cols[None, :] < M) & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_a_col
+        b_ptrs += BLOCK_K * stride_b_col
+
+    acc = acc * alpha
+    inside = (rows[:, None] < M) & (cols[None, :] < M)
+    if HAS_C:
+        c_ptrs = C + batch * stride_c_batch + rows[:, None] * stride_c_row + cols[None, :] * stride_c_col
+        acc += beta * tl.load(c_ptrs, mask=inside, other=0.0).to(tl.float32)
+    result = acc.to(Out.dtype.element_ty)
+    out_base = Out + batch * stride_o_batch
+    tl.store(out_base + rows[:, None] * stride_o_row + cols[None, :] * stride_o_col, result, mask=inside)
+    if tile_i != tile_j:
+        mirrored = tl.trans(result)
+        mirror_ptrs = out_base + cols[:, None] * stride_o_row + rows[None, :] * stride_o_col
+        tl.store(mirror_ptrs, mirrored, mask=(cols[:, None] < M) & (rows[None, :] < M))
+
+
+def _configs():
+    configs = []
+    for block, block_k, warps, stages in [
+        (128, 64, 8, 3),
+        (128, 64, 8, 4),
+        (128, 32, 4, 4),
+        (64, 64, 4, 4),
+        (64, 32, 4, 5),
+        (128, 128, 8, 3),
+    ]:
+        configs.append(triton.Config({"BLOCK": block, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages))
+    return configs
+
+
+_sym_mm_tuned = triton.autotune(configs=_configs(), key=["M", "K", "HAS_C"])(_sym_mm_kernel)
+_INTERPRET_CONFIG = {"BLOCK": 16, "BLOCK_K": 16}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def symmetric_matmul(A, B, C=None, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
+    """alpha·A·Bᵀ + beta·C for batched A, B [b, m, k] and C [b, m, m], assuming the result is symmetric."""
+    if A.ndim != 3 or B.shape != A.shape:
+        raise ValueError(f"symmetric_matmul needs A and B of the same shape [b, m, k], got {A.shape} and {B.shape}")
+    batch, m, k = A.shape
+    has_c = C is not None and beta != 0.0
+    if has_c and C.shape != (batch, m, m):
+        raise ValueError(f"C must be [b, m, m] = {(batch, m, m)}, got {tuple(C.shape)}")
+    out = torch.empty((batch, m, m), dtype=A.dtype, device=A.device)
+    if out.numel() == 0:
+        return out
+    c = C if has_c else out  # an unused pointer when HAS_C is False
+    args = (
+        A, B, c, out, m, k,
+        *A.stride(), *B.stride(), *c.stride(), *out.stride(),
+        float(alpha), float(beta),
+    )  # fmt: skip
+    if _interpreting():
+        tiles = triton.cdiv(m, _INTERPRET_CONFIG["BLOCK"])
+        _sym_mm_kernel[(tiles * (tiles + 1) // 2, batch)](*args, HAS_C=has_c, **_INTERPRET_CONFIG)
+    else:
+
+        def grid(meta):
+            tiles = triton.cdiv(m, meta["BLOCK"])
+            return (tiles * (tiles + 1) // 2, batch)
+
+        _sym_mm_tuned[grid](*args, HAS_C=has_c)
+    return out
+
+
+# Below this many rows a symmetric tile grid has too few tiles to fill the GPU; cuBLAS does better.
+MIN_TRITON_ROWS = 256
+
+
+class TritonOps:
+    """Symmetric products in Triton (half the tiles); general products stay on cuBLAS (`TorchOps.mm`)."""
+
+    name = "triton"
+    mm = staticmethod(TorchOps.mm)
+
+    @staticmethod
+    def sym_mm(A, B, C=None, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
+        if A.size(-2) < MIN_TRITON_ROWS and not _interpreting():
+            return TorchOps.sym_mm(A, B, C, alpha, beta)
+        return symmetric_matmul(A, B, C, alpha, beta)

@@ -1,0 +1,70 @@
+"""Run an unchanged Megatron-LM script with the plugin registered:
+
+    python -m megatron_muon.launch path/to/pretrain_gpt.py [Megatron-LM arguments]
+    torchrun --nproc-per-node 8 -m megatron_muon.launch pretrain_gpt.py --optimizer muon ...
+
+Registration puts our optimizers under megatron-core's names (`--optimizer muon` / `dist_muon` then run ours) and
+makes our specs importable for `--spec megatron_muon.specs <name>`; the script then runs as `__main__` via runpy,
+exactly as `python pretrain_gpt.py ...` would, so no Megatron-LM fork or patch is needed.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+USAGE = "usage: python -m megatron_muon.launch [--cpu-mode] path/to/pretrain_gpt.py [Megatron-LM arguments]"
+CPU_MODE_FLAG = "--cpu-mode"
+
+
+def _enter_cpu_mode() -> None:
+    """CPU mode plus what Megatron-LM's training script needs beyond megatron-core: it asserts CUDA is available
+    and pins data-loader memory on the current accelerator."""
+    import torch
+    from torch import _dynamo
+
+    from megatron_muon._cpu import enable_cpu_mode
+
+    enable_cpu_mode()
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.accelerator.current_device_index = lambda: 0
+    _dynamo.config.disable = True  # megatron's jit_fuser would compile for tens of seconds on CPU
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE + "\n\n" + __doc__.strip().splitlines()[0] + "\n  --cpu-mode  run megatron-core on CPU with gloo "
+              "(machines without a GPU: smoke tests and demos)")
+        return 0 if args else 2
+    cpu_mode = args[0] == CPU_MODE_FLAG
+    if cpu_mode:
+        args = args[1:]
+    if not args:
+        print(f"megatron-muon launch: error: no script given; {USAGE}", file=sys.stderr)
+        return 2
+    script = Path(args[0])
+    if not script.is_file():
+        print(f"megatron-muon launch: error: script '{script}' does not exist; pass the path to a Megatron-LM "
+              "script such as pretrain_gpt.py.", file=sys.stderr)
+        return 2
+    if cpu_mode:
+        from megatron_muon._cpu import enable_cpu_mode
+
+        _enter_cpu_mode()
+
+    import megatron_muon
+
+    megatron_muon.register()
+    script_dir = str(script.resolve().parent)
+    if script_dir not in sys.path:
+        sys.path.insert(0, script_dir)  # what `python script.py` does: its helpers import as top-level modules
+    sys.argv = [str(script), *args[1:]]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Save and load a megatron model + optimizer through dist_checkpointing (torch_dist), atomically.
+
+A checkpoint is written into `<dir>.tmp-<nonce>` and renamed into place only after every rank finished writing, so a
+failed or interrupted save never leaves a directory that looks loadable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+_DONE_MARKER = "megatron_muon_complete"
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _unwrap_chunks(model) -> list:
+    """The bare model chunks (without DDP / Float16Module wrappers), whose state-dict keys carry no `module.`."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    chunks = model if isinstance(model, list) else [model]
+    bare = []
+    for chunk in chunks:
+        while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+            chunk = chunk.module
+        bare.append(chunk)
+    return bare
+
+
+def sharded_state_dict(model, optimizer, is_loading: bool, extra: dict | None = None) -> dict:
+    """The model's (all chunks) and optimizer's sharded state dicts, in the structure megatron's pretrain uses."""
+    chunks = _unwrap_chunks(model)
+    state = {}
+    if len(chunks) == 1:
+        state["model"] = chunks[0].sharded_state_dict()
+        model_state_for_optimizer = state["model"]
+    else:
+        for index, chunk in enumerate(chunks):
+            state[f"model{index}"] = chunk.sharded_state_dict()
+        model_state_for_optimizer = {k: v for k, v in state.items()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_state_for_optimizer, is_loading=is_loading)
+    if extra:
+        state.update(extra)
+    return state
+
+
+def save_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict | None = None) -> Path:
+    """Write a dist checkpoint to `directory` (replacing an older one there only once the new one is complete)."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(directory)
+    staging = final.with_name(final.name + ".tmp-save")
+    if _rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier()
+    dist_checkpointing.save(sharded_state_dict(model, optimizer, is_loading=False, extra=extra), str(staging))
+    _barrier()
+    if _rank() == 0:
+        (staging / _DONE_MARKER).write_text("ok\n")
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    _barrier()
+    return final
+
+
+def is_complete_checkpoint(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / _DONE_MARKER).is_file()
+
+
+def load_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict | None = None) -> dict:
+    """Load a checkpoint written by `save_checkpoint` into `model` and `optimizer` (any tp/pp/dp layout the state
+    dicts can reshard to); returns the loaded state dict (for `extra` entries such as the iteration)."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    if not is_complete_checkpoint(directory):
+        raise ValueError(
+            f"{directory} is not a complete megatron_muon checkpoint (missing {_DONE_MARKER}); "
+            "point --load at a directory written by a finished save."
+        )
+    state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True, extra=extra), str(directory))
+    chunks = _unwrap_chunks(model)
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state["model"])
+    else:
+        for index, chunk in enumerate(chunks):
+            chunk.load_state_dict(state[f"model{index}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return state

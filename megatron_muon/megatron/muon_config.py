@@ -1,0 +1,153 @@
+"""Translate megatron-core's `OptimizerConfig.muon_*` options into `megatron_muon.optimizer.Muon` arguments.
+
+Every `muon_*` option keeps its megatron meaning: coefficient names resolve to the same schedules (and iteration
+modes) as megatron-core's emerging-optimizers backend, `muon_fp32_matmul_prec` picks the Newton–Schulz dtype,
+`muon_tp_mode` picks blockwise or TP-invariant gathering, `muon_split_qkv` the fused-projection split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_muon.optimizer.routing import MatrixLayout, matrix_layout, tag_fused_in_proj
+
+_SIMPLE = (3.4445, -4.7750, 2.0315)
+
+# The schedules megatron-core's `muon_coefficient_type` names (emerging-optimizers 0.3, muon_utils.py), and how a
+# schedule shorter than `muon_num_ns_steps` continues: "cycle" restarts it, "repeat_last" holds its last entry.
+MEGATRON_COEFFICIENT_SETS: dict[str, tuple[str, tuple[tuple[float, float, float], ...]]] = {
+    "simple": ("cycle", (_SIMPLE,)),
+    "quintic": (
+        "cycle",
+        (
+            (4.0848, -6.8946, 2.9270),
+            (3.9505, -6.3029, 2.6377),
+            (3.7418, -5.5913, 2.3037),
+            (2.8769, -3.1427, 1.2046),
+            (2.8366, -3.0525, 1.2012),
+        ),
+    ),
+    "polar_express": (
+        "repeat_last",
+        (
+            (8.2051, -22.9019, 16.4607),
+            (4.0664, -2.8612, 0.5184),
+            (3.9096, -2.8234, 0.5250),
+            (3.2856, -2.4153, 0.4853),
+            (2.2779, -1.6198, 0.3985),
+            (1.8726, -1.2307, 0.3585),
+            (1.8564, -1.2132, 0.3568),
+            (1.8750, -1.2500, 0.3750),
+        ),
+    ),
+    "cans": (
+        "repeat_last",
+        (
+            (8.4703, -25.1081, 18.6293),
+            (4.1828, -3.1087, 0.5806),
+            (3.9619, -2.9541, 0.5630),
+            (3.2866, -2.4647, 0.5074),
+            (2.2737, -1.6447, 0.4162),
+        ),
+    ),
+    "aol": (
+        "cycle",
+        ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254), (2.7215, -3.0494, 1.3169)),
+    ),
+    "deepseekv4": ("repeat_last", (_SIMPLE,) * 8 + ((2.0, -1.5, 0.5),) * 2),
+}
+
+# muon_fp32_matmul_prec → Newton–Schulz iteration dtype ("medium": the kernel's bf16/fp16 choice).
+_MATMUL_PRECISION_DTYPES = {"medium": None, "high": torch.float32, "highest": torch.float32}
+
+
+def megatron_coefficient_schedule(name: str, steps: int) -> list[tuple[float, float, float]]:
+    """Exactly `steps` (a, b, c) triples for a megatron `muon_coefficient_type` name."""
+    if name not in MEGATRON_COEFFICIENT_SETS:
+        raise ValueError(
+            f"unknown muon_coefficient_type {name!r}; valid choices: {sorted(MEGATRON_COEFFICIENT_SETS)}"
+        )
+    if steps < 1:
+        raise ValueError(f"muon_num_ns_steps must be >= 1, got {steps}")
+    mode, table = MEGATRON_COEFFICIENT_SETS[name]
+    if mode == "cycle":
+        return [table[i % len(table)] for i in range(steps)]
+    return [table[min(i, len(table) - 1)] for i in range(steps)]
+
+
+def tp_group_fn_for(pg_collection):
+    """Which TP group shards a parameter: expert TP for expert weights, TP otherwise."""
+    if pg_collection is None:
+        return None
+
+    def tp_group(param: torch.Tensor):
+        if getattr(param, "expert_tp", False):
+            return getattr(pg_collection, "expt_tp", None)
+        return getattr(pg_collection, "tp", None)
+
+    return tp_group
+
+
+class MainParamLayouts:
+    """Layouts of fp32 master copies, read from the model parameter they were copied from.
+
+    Megatron's mixed-precision wrapper copies only its own attributes onto master weights, so plugin attributes
+    (e.g. `muon_num_experts`) are looked up on the model parameter through its `main_param` link.
+    """
+
+    def __init__(self, model_chunks, split_fused: bool):
+        self.model_chunks = model_chunks
+        self.split_fused = split_fused
+        self._source: dict[int, torch.Tensor] = {}
+
+    def _refresh(self) -> None:
+        self._source = {}
+        for chunk in self.model_chunks:
+            for param in chunk.parameters():
+                self._source[id(param)] = param
+                main = getattr(param, "main_param", None)
+                if main is not None:
+                    self._source[id(main)] = param
+
+    def __call__(self, param: torch.Tensor) -> MatrixLayout:
+        if id(param) not in self._source:
+            self._refresh()
+        source = self._source.get(id(param), param)
+        if source.shape != param.shape:
+            source = param
+        return matrix_layout(source, split_fused=self.split_fused)
+
+
+def muon_kwargs_from_config(config, model_chunks, pg_collection) -> dict[str, Any]:
+    """Constructor arguments of `Muon` for an OptimizerConfig (megatron's `config_to_kwargs` hook)."""
+    for chunk in model_chunks:
+        tag_fused_in_proj(chunk)
+    precision = getattr(config, "muon_fp32_matmul_prec", "medium")
+    if precision not in _MATMUL_PRECISION_DTYPES:
+        raise ValueError(
+            f"unknown muon_fp32_matmul_prec {precision!r}; valid choices: {sorted(_MATMUL_PRECISION_DTYPES)}"
+        )
+    steps = config.muon_num_ns_steps
+    split_fused = config.muon_split_qkv
+    return dict(
+        lr=config.lr,
+        momentum=config.muon_momentum,
+        nesterov=config.muon_nesterov,
+        weight_decay=config.weight_decay,
+        ns_steps=steps,
+        coefficients=megatron_coefficient_schedule(config.muon_coefficient_type, steps),
+        method=getattr(config, "muon_ns_method", "auto"),
+        scale_mode=config.muon_scale_mode,
+        extra_scale=config.muon_extra_scale_factor,
+        weight_decay_mode="decoupled" if config.decoupled_weight_decay else "l2",
+        split_fused=split_fused,
+        compute_dtype=_MATMUL_PRECISION_DTYPES[precision],
+        tp_mode=config.muon_tp_mode,
+        tp_group_fn=tp_group_fn_for(pg_collection),
+        layout_fn=MainParamLayouts(model_chunks, split_fused),
+        # Megatron's mixed-precision wrapper owns found-inf skipping; a per-step host sync here would only cost.
+        check_finite=False,
+    )
+

@@ -1,0 +1,144 @@
+"""Chunked gated delta rule as torch.library custom ops (forward and backward), so torch.compile keeps one graph.
+
+Public entry point: ``chunk_gated_delta_rule`` with FLA's signature and "BTH*" layout (head_first=False).
+GVA (more value heads than q/k heads): value head ``h`` reads key/query head ``h // (HV // H)``, the same grouping as
+FLA 0.6 and megatron-core's ``repeat_interleave``. FLA 0.6 handles it natively in its kernels; the torch backend
+repeats q/k inside the op and sums their gradients back; either way callers pass un-repeated q/k.
+"""
+
+import torch
+from torch import Tensor
+
+from megatron_muon.ops import fla_backend
+from megatron_muon.ops.backend import backend_for
+from megatron_muon.ops.gdn_torch import CHUNK_SIZE, chunk_gdn_backward_torch, chunk_gdn_forward_torch
+from megatron_muon.ops.norm import l2norm
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Gated delta rule over q, k [B, T, H, K], v [B, T, HV, V], g (log decay) and beta [B, T, HV].
+
+    Returns (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or None). ``initial_state`` is [N, HV, K, V]
+    where N = B, or the number of sequences when ``cu_seqlens`` packs them into B = 1.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    o, final_state, _, _ = gdn_chunk_fwd(q, k, v, g, beta, float(scale), initial_state, output_final_state, cu_seqlens)
+    return o, (final_state if output_final_state else None)
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(
+            f"chunk_gated_delta_rule: q and k must both be [B, T, H, K] (head_first=False); got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}."
+        )
+    batch, seq_len, heads, _ = q.shape
+    if v.dim() != 4 or v.shape[:2] != (batch, seq_len) or v.shape[2] % heads:
+        raise ValueError(
+            f"chunk_gated_delta_rule: v must be [B, T, HV, V] (head_first=False) with HV a multiple of the {heads} q/k heads; got v "
+            f"{tuple(v.shape)} for q {tuple(q.shape)}."
+        )
+    if g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
+        raise ValueError(
+            f"chunk_gated_delta_rule: g and beta must be [B, T, HV] = {tuple(v.shape[:3])}; got g {tuple(g.shape)}, "
+            f"beta {tuple(beta.shape)}."
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"chunk_gated_delta_rule: q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}. Cast them "
+            "to one dtype (g and beta may be fp32)."
+        )
+    if cu_seqlens is not None and batch != 1:
+        raise ValueError(f"chunk_gated_delta_rule: with cu_seqlens pack the sequences into B = 1; got B = {batch}.")
+    if initial_state is not None:
+        num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        expected = (num_states, v.shape[2], q.shape[3], v.shape[3])
+        if initial_state.shape != expected:
+            raise ValueError(
+                f"chunk_gated_delta_rule: initial_state must be [N, HV, K, V] = {expected}; got "
+                f"{tuple(initial_state.shape)}."
+            )
+
+
+def _num_states(q: Tensor, cu_seqlens: Tensor | None):
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+@torch.library.custom_op("megatron_muon::gdn_chunk_fwd", mutates_args=())
+def gdn_chunk_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, initial_state: Tensor | None,
+    output_final_state: bool, cu_seqlens: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (o, final_state or empty, g_cumsum, A): the last two are backend-private tensors kept for backward."""
+    if backend_for(q) == "torch":
+        return chunk_gdn_forward_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return fla_backend.gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+@gdn_chunk_fwd.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    batch, seq_len, value_heads, value_dim = v.shape
+    if output_final_state:
+        final_state = q.new_empty(_num_states(q, cu_seqlens), value_heads, q.shape[-1], value_dim, dtype=torch.float32)
+    else:
+        final_state = q.new_empty(0, dtype=torch.float32)
+    return (
+        v.new_empty(v.shape),
+        final_state,
+        q.new_empty(batch, seq_len, value_heads, dtype=torch.float32),
+        k.new_empty(batch, seq_len, value_heads, CHUNK_SIZE),
+    )
+
+
+@torch.library.custom_op("megatron_muon::gdn_chunk_bwd", mutates_args=())
+def gdn_chunk_bwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, g_cumsum: Tensor, a_inverse: Tensor, scale: float,
+    initial_state: Tensor | None, cu_seqlens: Tensor | None, do: Tensor, dht: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dg, dbeta, dh0); dh0 is empty when there is no initial state."""
+    if backend_for(q) == "torch":
+        return chunk_gdn_backward_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht)
+    return fla_backend.gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, scale, initial_state, cu_seqlens, do, dht)
+
+
+@gdn_chunk_bwd.register_fake
+def _(q, k, v, g, beta, g_cumsum, a_inverse, scale, initial_state, cu_seqlens, do, dht):
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens = inputs
+    _, _, g_cumsum, a_inverse = output
+    ctx.save_for_backward(q, k, v, g, beta, g_cumsum, a_inverse, initial_state, cu_seqlens)
+    ctx.scale = scale
+    ctx.output_final_state = output_final_state
+    ctx.mark_non_differentiable(g_cumsum, a_inverse)
+
+
+def _backward(ctx, do, dht, _dg_cumsum, _da_inverse):
+    q, k, v, g, beta, g_cumsum, a_inverse, initial_state, cu_seqlens = ctx.saved_tensors
+    dht = dht if ctx.output_final_state else None
+    dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_bwd(
+        q, k, v, g, beta, g_cumsum, a_inverse, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht
+    )
+    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None
+
+
+gdn_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)

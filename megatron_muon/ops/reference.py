@@ -1,0 +1,91 @@
+"""Naive fp32 references for every GDN op: the oracles the fast paths are tested against.
+
+They follow the math literally (one token at a time for the delta rule) so that they are easy to audit; they are
+slow on purpose and are never used for training.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def naive_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token gated delta rule in fp32 (or fp64 when given fp64).
+
+    Per value head h and token t, with state S [K, V] (key head = h // (HV // H) under GVA):
+        S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = scale * S^T q_t.
+    Layout is [B, T, H, K] like FLA; with ``cu_seqlens`` B must be 1 and each segment starts from its own state.
+    """
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_reference(q), l2norm_reference(k)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    num_value_heads = v.shape[2]
+    group = num_value_heads // q.shape[2]
+    q, k = (x.to(compute_dtype).repeat_interleave(group, dim=2) for x in (q, k))
+    v, g, beta = (x.to(compute_dtype) for x in (v, g, beta))
+    if cu_seqlens is None:  # every batch row is one sequence: step them together
+        segments = [(slice(None), 0, q.shape[1])]
+    else:
+        bounds = cu_seqlens.tolist()
+        segments = [(slice(0, 1), bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    outputs = []
+    finals = []
+    for index, (rows, start, end) in enumerate(segments):
+        if initial_state is None:
+            state = q.new_zeros(q[rows].shape[0], num_value_heads, q.shape[-1], v.shape[-1])
+        elif cu_seqlens is None:
+            state = initial_state.to(compute_dtype)
+        else:
+            state = initial_state[index : index + 1].to(compute_dtype)
+        for t in range(start, end):
+            state = state * g[rows, t].exp()[..., None, None]
+            predicted = torch.einsum("bhk,bhkv->bhv", k[rows, t], state)
+            update = (v[rows, t] - predicted) * beta[rows, t][..., None]
+            state = state + k[rows, t][..., :, None] * update[..., None, :]
+            outputs.append(torch.einsum("bhk,bhkv->bhv", q[rows, t] * scale, state))
+        finals.append(state)
+    outputs = torch.stack(outputs, dim=1)
+    final_state = torch.cat(finals) if output_final_state else None
+    return outputs, final_state
+
+
+def causal_conv1d_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = "silu"
+) -> torch.Tensor:
+    """Depthwise causal conv over time via F.conv1d, in fp32: x [B, T, D], weight [D, W]."""
+    width = weight.shape[1]
+    y = F.conv1d(
+        x.float().transpose(1, 2),
+        weight.float().unsqueeze(1),
+        None if bias is None else bias.float(),
+        padding=width - 1,
+        groups=weight.shape[0],
+    )[..., : x.shape[1]].transpose(1, 2)
+    return F.silu(y) if activation in ("silu", "swish") else y
+
+
+def l2norm_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (FLA's definition)."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def gated_rms_norm_reference(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """rmsnorm(x) * weight * silu(gate) over the last dim, in fp32 (FLA's FusedRMSNormGated, activation silu)."""
+    x = x.float()
+    normed = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return normed * weight.float() * F.silu(gate.float())

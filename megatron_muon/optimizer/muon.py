@@ -1,0 +1,311 @@
+"""Muon as a `torch.optim.Optimizer`, updating parameters grouped by matrix shape ("MegaBatch").
+
+Each step: foreach momentum per param group, then one batched Newton–Schulz per shape bucket (matrices of equal
+shape from any layer, expert or fused part), then foreach parameter updates with the shape's scale folded into
+the step size. The bucket plan is built lazily in `step()` and rebuilt whenever the set of parameters with
+gradients changes, because Megatron narrows param groups and swaps in fp32 master copies after construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_muon.kernels import resolve_coefficients
+from megatron_muon.kernels.newton_schulz import METHODS
+from megatron_muon.optimizer import muon_math
+from megatron_muon.optimizer.routing import (
+    MatrixLayout,
+    describe,
+    matrix_layout,
+    piece_as_matrices,
+    piece_matrix_shape,
+    piece_views,
+)
+from megatron_muon.optimizer.tensor_parallel import TP_MODES, gather_tp_shards, local_tp_shard
+
+_NS_KEYS = ("ns_steps", "coefficients", "method", "eps")
+
+
+def _freeze(value):
+    """Hashable form of a group setting (coefficient schedules are lists of lists after a state_dict round trip)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+@dataclass
+class _Bucket:
+    """Matrices of one local shape that share NS settings and TP gathering: one batched orthogonalize."""
+
+    shape: tuple[int, int]
+    group_index: int
+    tp_group: object = None
+    partition_dim: int | None = None
+    items: list[tuple[int, int]] = field(default_factory=list)  # (param index in the plan, piece index)
+
+
+@dataclass
+class _Plan:
+    params: list[torch.Tensor]
+    group_of: list[int]
+    layouts: list[MatrixLayout]
+    buckets: list[_Bucket]
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (momentum + Newton–Schulz orthogonalization) for 2-D weights, batched across equal shapes.
+
+    Args:
+        params: parameters or param groups (named parameters give better error messages). Route embeddings, the
+            output layer, norms, biases and vectors to AdamW (see `split_params_for_muon`).
+        lr, momentum, nesterov, weight_decay: as torch.optim.Muon; weight decay is decoupled by default.
+        ns_steps, coefficients, method, eps: Newton–Schulz settings passed to `megatron_muon.kernels.orthogonalize`.
+        scale_mode: `match_rms_adamw` (default: reuse AdamW's lr and weight decay), `original`, `spectral`,
+            `shape_scaling`, `unit_rms_norm` or `none`; extra_scale multiplies it.
+        weight_decay_mode: `decoupled`, `independent` or `l2`.
+        momentum_dtype: dtype of the momentum buffers (default: the parameter's).
+        split_fused: orthogonalize fused QKV / GDN in_proj sections separately (megatron's `is_qkv` tags).
+        batched: stack equal shapes into one orthogonalize call (False runs one call per matrix: the reference).
+        compute_dtype: Newton–Schulz iteration dtype override (default: the kernel's choice per method).
+        tp_mode, tp_group_fn: for tensor-parallel shards, `duplicated`/`distributed` gather each sharded matrix
+            over `tp_group_fn(param)` before NS (TP-invariant); `blockwise` orthogonalizes local shards.
+        layout_fn: `(param) -> MatrixLayout` override of the attribute-based layout.
+        check_finite: raise naming the parameter on a NaN/Inf gradient, before any state changes.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.1,
+        *,
+        ns_steps: int = 5,
+        coefficients="quintic",
+        method: str = "auto",
+        eps: float = 1e-7,
+        scale_mode: str = "match_rms_adamw",
+        extra_scale: float = 1.0,
+        weight_decay_mode: str = "decoupled",
+        momentum_dtype: torch.dtype | None = None,
+        split_fused: bool = True,
+        batched: bool = True,
+        compute_dtype: torch.dtype | None = None,
+        tp_mode: str = "duplicated",
+        tp_group_fn: Callable[[torch.Tensor], object] | None = None,
+        layout_fn: Callable[[torch.Tensor], MatrixLayout] | None = None,
+        check_finite: bool = True,
+    ):
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"unknown tp_mode {tp_mode!r}; valid choices: {TP_MODES}")
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
+            coefficients=coefficients, method=method, eps=eps, scale_mode=scale_mode, extra_scale=extra_scale,
+            weight_decay_mode=weight_decay_mode,
+        )
+        self.momentum_dtype = momentum_dtype
+        self.split_fused = split_fused
+        self.batched = batched
+        self.compute_dtype = compute_dtype
+        self.tp_mode = tp_mode
+        self.tp_group_fn = tp_group_fn
+        self.layout_fn = layout_fn
+        self.check_finite = check_finite
+        self._plan_cache: tuple[tuple, _Plan] | None = None
+        super().__init__(params, defaults)
+
+    # ---- setup and validation ----
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        resolve_coefficients(group["coefficients"], group["ns_steps"])  # raises listing the valid names
+        if group["method"] not in METHODS:
+            raise ValueError(f"unknown method {group['method']!r}; valid choices: {METHODS}")
+        muon_math.check_scale_mode(group["scale_mode"])
+        if group["weight_decay_mode"] not in muon_math.WEIGHT_DECAY_MODES:
+            raise ValueError(
+                f"unknown weight_decay_mode {group['weight_decay_mode']!r}; "
+                f"valid choices: {muon_math.WEIGHT_DECAY_MODES}"
+            )
+        names = group.get("param_names") or [None] * len(group["params"])
+        for param, name in zip(group["params"], names):
+            self._layout(param, name)  # raises naming a parameter Muon cannot treat as matrices
+        self._plan_cache = None
+
+    def _layout(self, param: torch.Tensor, name: str | None = None) -> MatrixLayout:
+        if getattr(self, "layout_fn", None) is not None:
+            return self.layout_fn(param)
+        return matrix_layout(param, split_fused=getattr(self, "split_fused", True), name=name)
+
+    def _name(self, group_index: int, param: torch.Tensor) -> str:
+        group = self.param_groups[group_index]
+        for i, candidate in enumerate(group["params"]):
+            if candidate is param:
+                names = group.get("param_names")
+                name = names[i] if names else f"param_groups[{group_index}]['params'][{i}]"
+                return describe(param, name)
+        return describe(param)
+
+    @torch.no_grad()
+    def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
+        """Create momentum buffers (megatron's checkpoint init calls this with skip_non_grad_params=False)."""
+        for param in group["params"]:
+            if skip_non_grad_params and param.grad is None:
+                continue
+            self._momentum_buffer(param)
+
+    def _momentum_buffer(self, param: torch.Tensor) -> torch.Tensor:
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            dtype = self.momentum_dtype or param.dtype
+            state["momentum_buffer"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts loaded state to the parameter dtype; put momentum back into `momentum_dtype`."""
+        super().load_state_dict(state_dict)
+        if self.momentum_dtype is not None:
+            for state in self.state.values():
+                buffer = state.get("momentum_buffer")
+                if buffer is not None and buffer.dtype != self.momentum_dtype:
+                    state["momentum_buffer"] = buffer.to(self.momentum_dtype)
+        self._plan_cache = None
+
+    # ---- the bucket plan ----
+
+    def _tp_key(self, param: torch.Tensor, layout: MatrixLayout) -> tuple[object, int | None]:
+        if self.tp_mode == "blockwise" or layout.partition_dim is None or self.tp_group_fn is None:
+            return None, None
+        group = self.tp_group_fn(param)
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            return None, None
+        return group, layout.partition_dim
+
+    def _build_plan(self, params: list[torch.Tensor], group_of: list[int]) -> _Plan:
+        layouts = [self._layout(p, None) for p in params]
+        buckets: dict[tuple, _Bucket] = {}
+        singles: list[_Bucket] = []
+        for index, (param, layout) in enumerate(zip(params, layouts)):
+            group = self.param_groups[group_of[index]]
+            ns_key = tuple(_freeze(group[k]) for k in _NS_KEYS)
+            tp_group, partition_dim = self._tp_key(param, layout)
+            for piece_index, piece in enumerate(piece_views(param, layout)):
+                shape = piece_matrix_shape(piece)
+                if not self.batched:
+                    singles.append(_Bucket(shape, group_of[index], tp_group, partition_dim, [(index, piece_index)]))
+                    continue
+                key = (shape, ns_key, id(tp_group), partition_dim)
+                bucket = buckets.setdefault(key, _Bucket(shape, group_of[index], tp_group, partition_dim))
+                bucket.items.append((index, piece_index))
+        return _Plan(params, group_of, layouts, list(buckets.values()) + singles)
+
+    def _plan(self, params: list[torch.Tensor], group_of: list[int]) -> _Plan:
+        key = tuple(zip(map(id, params), group_of))
+        if self._plan_cache is None or self._plan_cache[0] != key:
+            self._plan_cache = (key, self._build_plan(params, group_of))
+        return self._plan_cache[1]
+
+    # ---- the step ----
+
+    def _check_grads_finite(self, params: list[torch.Tensor], grads: list[torch.Tensor], group_of: list[int]):
+        if not grads:
+            return
+        max_abs = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))])
+        finite = torch.isfinite(max_abs)
+        if bool(finite.all()):
+            return
+        bad = int((~finite).nonzero()[0])
+        raise ValueError(
+            f"non-finite gradient (NaN or Inf) in {self._name(group_of[bad], params[bad])}; no optimizer state was "
+            "changed. Skip this step (or lower the learning rate / enable loss scaling) and zero the gradients."
+        )
+
+    def _orthogonalize_bucket(self, bucket: _Bucket, stacked: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        group = self.param_groups[bucket.group_index]
+        full = stacked
+        if bucket.tp_group is not None:
+            full = gather_tp_shards(stacked, bucket.tp_group, bucket.partition_dim)
+        ortho = muon_math.orthogonal_update(
+            full, ns_steps=group["ns_steps"], coefficients=group["coefficients"], method=group["method"],
+            eps=group["eps"], compute_dtype=self.compute_dtype,
+        )
+        full_shape = tuple(full.shape[-2:])
+        if bucket.tp_group is not None:
+            ortho = local_tp_shard(ortho, bucket.tp_group, bucket.partition_dim)
+        return ortho, full_shape
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        params, grads, group_of = [], [], []
+        for group_index, group in enumerate(self.param_groups):
+            for param in group["params"]:
+                if param.grad is not None:
+                    if param.grad.is_sparse:
+                        raise ValueError(f"Muon does not support sparse gradients: {self._name(group_index, param)}")
+                    params.append(param)
+                    grads.append(param.grad)
+                    group_of.append(group_index)
+        if not params:
+            return loss
+        if self.check_finite:
+            self._check_grads_finite(params, grads, group_of)
+        plan = self._plan(params, group_of)
+
+        # Momentum and weight decay, foreach per param group.
+        updates: list[torch.Tensor | None] = [None] * len(params)
+        for group_index, group in enumerate(self.param_groups):
+            members = [i for i, g in enumerate(group_of) if g == group_index]
+            if not members:
+                continue
+            group_params = [params[i] for i in members]
+            group_grads = [grads[i] for i in members]
+            if group["weight_decay_mode"] == "l2":
+                group_grads = muon_math.l2_regularized(group_grads, group_params, group["weight_decay"])
+            buffers = [self._momentum_buffer(p) for p in group_params]
+            group_updates = muon_math.momentum_update_(group_grads, buffers, group["momentum"], group["nesterov"])
+            for i, update in zip(members, group_updates):
+                updates[i] = update
+            muon_math.apply_weight_decay_(
+                group_params, lr=group["lr"], weight_decay=group["weight_decay"], mode=group["weight_decay_mode"]
+            )
+
+        # One orthogonalize per bucket, then foreach updates per (bucket, param group).
+        for bucket in plan.buckets:
+            sources, targets, owners = [], [], []
+            for index, piece_index in bucket.items:
+                layout = plan.layouts[index]
+                sources.append(piece_as_matrices(piece_views(updates[index], layout)[piece_index]))
+                targets.append(piece_views(params[index], layout)[piece_index])
+                owners.append(group_of[index])
+            stacked = sources[0] if len(sources) == 1 else torch.cat(sources)
+            ortho, full_shape = self._orthogonalize_bucket(bucket, stacked)
+            by_group: dict[int, tuple[list, list]] = {}
+            offset = 0
+            for target, owner in zip(targets, owners):
+                count = target.shape[0]
+                chunk = ortho[offset : offset + count].view(target.shape)
+                offset += count
+                by_group.setdefault(owner, ([], []))
+                by_group[owner][0].append(target)
+                by_group[owner][1].append(chunk)
+            for owner, (group_targets, chunks) in by_group.items():
+                group = self.param_groups[owner]
+                scale = muon_math.update_scale(full_shape, group["scale_mode"], group["extra_scale"])
+                muon_math.apply_updates_(group_targets, chunks, lr=group["lr"], scale=scale)
+        return loss

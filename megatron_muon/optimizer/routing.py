@@ -1,0 +1,142 @@
+"""Which parameters Muon updates, and how each parameter tensor maps to the matrices it orthogonalizes.
+
+A parameter becomes one or more *pieces*: views [experts, groups, section, cols] whose matrices are
+[groups·section, cols]. A plain weight is one piece with one expert and one group; megatron's fused QKV is one
+piece per q/k/v part with one group per query group; a GDN in_proj is one piece per q/k/v/z/beta/alpha section;
+an expert stack [E, m, n] (or E row blocks of a 2-D weight) contributes E matrices per piece. The attributes read
+here are megatron's (`is_qkv`, `qkv_split_shapes`, `partition_dim`, `tensor_model_parallel`,
+`is_embedding_or_output_parameter`) plus `muon_num_experts` for concatenated expert weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_muon.optimizer.muon_math import check_sections, fused_part_views
+
+_NON_MATRIX_NAME_HINTS = ("embedding", "output_layer", "lm_head")
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """How a parameter splits into matrices: expert blocks, fused row sections, and its TP-sharded matrix dim."""
+
+    num_experts: int = 1
+    split_sections: tuple[int, ...] | None = None
+    partition_dim: int | None = None
+
+
+def describe(param: torch.Tensor, name: str | None = None) -> str:
+    """A short handle for error messages."""
+    return f"{name or 'parameter'} (shape {tuple(param.shape)}, dtype {param.dtype})"
+
+
+def num_experts_of(param: torch.Tensor) -> int | None:
+    """Experts stacked in this tensor: `muon_num_experts`, or the leading dim of a tagged 3-D grouped weight."""
+    tagged = getattr(param, "muon_num_experts", None)
+    if tagged is not None:
+        return int(tagged)
+    return None
+
+
+def is_muon_param(param: torch.Tensor, name: str | None = None) -> bool:
+    """Default routing: 2-D non-embedding, non-output matrices (and tagged 3-D expert stacks) go to Muon.
+
+    Embeddings, the output layer, norms, biases, conv kernels and gate vectors go to the scalar optimizer (AdamW).
+    """
+    if getattr(param, "is_embedding_or_output_parameter", False):
+        return False
+    if name is not None and any(hint in name for hint in _NON_MATRIX_NAME_HINTS):
+        return False
+    if param.ndim == 2:
+        return True
+    return param.ndim == 3 and num_experts_of(param) == param.shape[0]
+
+
+def split_params_for_muon(
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]], predicate=is_muon_param
+) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(muon_params, adamw_params) of the trainable parameters; pass `predicate(param, name)` to override."""
+    muon, other = [], []
+    for name, param in named_parameters:
+        if param.requires_grad:
+            (muon if predicate(param, name) else other).append(param)
+    return muon, other
+
+
+def matrix_layout(param: torch.Tensor, *, split_fused: bool = True, name: str | None = None) -> MatrixLayout:
+    """Read a parameter's layout from its attributes; raises for tensors Muon cannot treat as matrices."""
+    experts = num_experts_of(param)
+    if param.ndim == 3:
+        if experts != param.shape[0]:
+            raise ValueError(
+                f"Muon got 3-D {describe(param, name)}; only stacks of expert matrices are orthogonalized. Route it "
+                "to AdamW, or mark an [experts, rows, cols] weight with `param.muon_num_experts = experts`"
+            )
+    elif param.ndim != 2:
+        raise ValueError(
+            f"Muon orthogonalizes matrices, but {describe(param, name)} is {param.ndim}-D; route it to AdamW "
+            "(e.g. with megatron_muon.optimizer.split_params_for_muon)"
+        )
+    experts = experts or 1
+    rows = param.shape[-2] if param.ndim == 3 else param.shape[0]
+    if param.ndim == 2 and rows % experts != 0:
+        raise ValueError(f"{describe(param, name)} has {rows} rows, not divisible into muon_num_experts={experts}")
+    sections = None
+    if split_fused and getattr(param, "is_qkv", False):
+        shapes = getattr(param, "qkv_split_shapes", None)
+        if shapes is None:
+            raise ValueError(f"{describe(param, name)} is marked is_qkv but has no qkv_split_shapes; set them")
+        sections = tuple(int(s) for s in shapes)
+        check_sections(rows // experts if param.ndim == 2 else rows, sections, describe(param, name))
+    partition_dim = None
+    if getattr(param, "tensor_model_parallel", False):
+        dim = getattr(param, "partition_dim", -1)
+        if param.ndim == 3:
+            dim = dim - 1 if dim in (1, 2) else -1
+        partition_dim = dim if dim in (0, 1) else None
+    return MatrixLayout(num_experts=experts, split_sections=sections, partition_dim=partition_dim)
+
+
+def piece_views(tensor: torch.Tensor, layout: MatrixLayout) -> list[torch.Tensor]:
+    """Views [experts, groups, section, cols] of `tensor` (a parameter or anything shaped like it)."""
+    cols = tensor.shape[-1]
+    stack = tensor.reshape(layout.num_experts, -1, cols)
+    if layout.split_sections is None:
+        return [stack.unsqueeze(1)]
+    return fused_part_views(stack, layout.split_sections)
+
+
+def piece_matrix_shape(piece: torch.Tensor) -> tuple[int, int]:
+    """The [rows, cols] of each matrix a piece contributes."""
+    return piece.shape[-3] * piece.shape[-2], piece.shape[-1]
+
+
+def piece_as_matrices(piece: torch.Tensor) -> torch.Tensor:
+    """A piece as [experts, rows, cols] (a copy when the rows interleave across groups)."""
+    return piece.reshape(piece.shape[0], -1, piece.shape[-1])
+
+
+def tag_fused_in_proj(module: torch.nn.Module) -> int:
+    """Mark GDN-style fused input projections so Muon orthogonalizes each section on its own.
+
+    Any submodule exposing `in_proj_split_sections` (this rank's row count per section, e.g. megatron's
+    GatedDeltaNet: q, k, v, z, beta, alpha) gets its `in_proj.weight` tagged with megatron's fused-projection
+    attributes, which megatron copies onto fp32 master weights. Returns how many weights were tagged.
+    """
+    tagged = 0
+    for sub in module.modules():
+        sections = getattr(sub, "in_proj_split_sections", None)
+        in_proj = getattr(sub, "in_proj", None)
+        weight = getattr(in_proj, "weight", None)
+        if sections is None or not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+            continue
+        if weight.shape[0] % sum(int(s) for s in sections) != 0:
+            continue
+        weight.is_qkv = True
+        weight.qkv_split_shapes = [int(s) for s in sections]
+        tagged += 1
+    return tagged

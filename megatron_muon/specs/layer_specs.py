@@ -1,0 +1,105 @@
+"""ModuleSpecs for one hybrid decoder layer (mixer + MLP), for the local and Transformer Engine backends.
+
+A layer is megatron's `TransformerLayer`: pre-norm, a token mixer (GDN or softmax attention), pre-norm, SwiGLU/GeLU
+MLP. The TE backend fuses each pre-norm into the following column-parallel linear (TELayerNormColumnParallelLinear);
+the local backend keeps them separate and maps their checkpoint keys onto the TE names, so checkpoints move between
+backends.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from megatron.core.extensions.transformer_engine import (
+    TELayerNormColumnParallelLinear,
+    TENorm,
+    TERowParallelLinear,
+)
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megatron_muon.layers.attention import SDPADotProductAttention, TEFusedDotProductAttention
+from megatron_muon.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSubmodules
+
+BACKENDS = ("local", "te")
+GDN_SYMBOL = "G"
+ATTENTION_SYMBOL = "*"
+MIXER_SYMBOLS = (GDN_SYMBOL, ATTENTION_SYMBOL)
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def mlp_builder(backend: str):
+    """Megatron's dense MLP with the backend's linears (fc1 carries the fused pre-norm under TE)."""
+    fc1 = TELayerNormColumnParallelLinear if check_backend(backend) == "te" else ColumnParallelLinear
+    fc2 = TERowParallelLinear if backend == "te" else RowParallelLinear
+    return partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
+
+
+def gdn_mixer_spec(backend: str) -> ModuleSpec:
+    """Our GatedDeltaNet; under TE its in_proj also applies the layer's input norm."""
+    te = check_backend(backend) == "te"
+    return ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=TELayerNormColumnParallelLinear if te else ColumnParallelLinear,
+            out_proj=TERowParallelLinear if te else RowParallelLinear,
+        ),
+    )
+
+
+def attention_mixer_spec(backend: str, qk_layernorm: bool = False) -> ModuleSpec:
+    """Causal self-attention; TE: TEDotProductAttention pinned to fused/cuDNN; local: SDPA pinned to cuDNN."""
+    te = check_backend(backend) == "te"
+    qk_norm = (TENorm if te else WrappedTorchNorm) if qk_layernorm else IdentityOp
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=TELayerNormColumnParallelLinear if te else ColumnParallelLinear,
+            core_attention=TEFusedDotProductAttention if te else SDPADotProductAttention,
+            linear_proj=TERowParallelLinear if te else RowParallelLinear,
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
+        ),
+    )
+
+
+def hybrid_layer_spec(symbol: str, backend: str = "local", qk_layernorm: bool = False) -> ModuleSpec:
+    """One decoder layer: the mixer named by `symbol` ("G" GDN, "*" attention) followed by the dense MLP."""
+    if symbol not in MIXER_SYMBOLS:
+        raise ValueError(f"layer symbol must be one of {MIXER_SYMBOLS} (G = GDN, * = attention), got {symbol!r}")
+    te = check_backend(backend) == "te"
+    mixer = gdn_mixer_spec(backend) if symbol == GDN_SYMBOL else attention_mixer_spec(backend, qk_layernorm)
+    fused_norm_owner = "self_attention.in_proj" if symbol == GDN_SYMBOL else "self_attention.linear_qkv"
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=IdentityOp if te else WrappedTorchNorm,
+            self_attention=mixer,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp if te else WrappedTorchNorm,
+            mlp=mlp_builder(backend),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={} if te else {
+                "input_layernorm.": f"{fused_norm_owner}.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def final_norm(backend: str):
+    """The norm after the last layer."""
+    return TENorm if check_backend(backend) == "te" else WrappedTorchNorm

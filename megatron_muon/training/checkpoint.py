@@ -1,0 +1,133 @@
+"""Distributed checkpoints (megatron dist_checkpointing) of model, optimizer, LR schedule, step and RNG state.
+
+Resume continues exactly: data order is a function of the step, and the RNG states of every rank are restored
+when the checkpoint was written with the same parallel layout.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    tracker = Path(root) / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    return int(tracker.read_text().strip())
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
+
+
+def _rng_object():
+    """This rank's RNG states as a ShardedObject indexed by (pp, tp, dp) rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    layout = _layout()
+    return ShardedObject(
+        "rng_state",
+        state,
+        (layout["pp"], layout["tp"], layout["dp"]),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()),
+        replica_id=0,
+    )
+
+
+def _restore_rng(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _optimizer_metadata(use_distributed_optimizer: bool) -> dict:
+    # dp_reshardable is the DistributedOptimizer format that works without TE/Apex fused Adam.
+    return {"distrib_optim_sharding_type": "dp_reshardable"} if use_distributed_optimizer else {}
+
+
+def _sharded_state(model, optimizer, scheduler, step: int, use_distributed_optimizer: bool, is_loading: bool,
+                   with_rng: bool, extra: dict | None = None) -> dict:
+    from megatron.core.utils import unwrap_model
+
+    model_state = unwrap_model(model).sharded_state_dict()
+    state = {
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_optimizer_metadata(use_distributed_optimizer)
+        ),
+        "scheduler": scheduler.state_dict(),
+        "iteration": step,
+        "layout": _layout(),
+    }
+    if with_rng:
+        state["rng_state"] = _rng_object()
+    if extra:
+        state.update(extra)
+    return state
+
+
+def save_checkpoint(root: str | Path, step: int, model, optimizer, scheduler, use_distributed_optimizer: bool,
+                    extra: dict | None = None) -> Path:
+    """Write iter_NNNNNNN/ under root (collective: every rank calls it) and point the tracker file at it."""
+    from megatron.core import dist_checkpointing
+
+    target = iteration_dir(root, step)
+    if torch.distributed.get_rank() == 0:
+        target.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    state = _sharded_state(model, optimizer, scheduler, step, use_distributed_optimizer, False, True, extra)
+    dist_checkpointing.save(state, str(target), content_metadata=_optimizer_metadata(use_distributed_optimizer))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        (Path(root) / TRACKER_FILE).write_text(str(step))
+    torch.distributed.barrier()
+    return target
+
+
+def load_checkpoint(root: str | Path, model, optimizer, scheduler, use_distributed_optimizer: bool) -> int:
+    """Load the latest checkpoint under root into model/optimizer/scheduler; returns the step it was taken at."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+
+    step = latest_iteration(root)
+    if step is None:
+        raise ValueError(f"'{root}' has no {TRACKER_FILE}; point --load at a directory written by --save.")
+    source = iteration_dir(root, step)
+    common = dist_checkpointing.load_common_state_dict(str(source))
+    same_layout = common.get("layout") == _layout()
+    if not same_layout:
+        warnings.warn(
+            f"checkpoint layout {common.get('layout')} differs from this run's {_layout()}: loading weights and "
+            "optimizer state resharded, RNG states start fresh."
+        )
+    template = _sharded_state(model, optimizer, scheduler, step, use_distributed_optimizer, True, same_layout)
+    loaded = dist_checkpointing.load(template, str(source))
+    unwrap_model(model).load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout:
+        _restore_rng(loaded["rng_state"])
+    return int(loaded["iteration"])

@@ -1,0 +1,231 @@
+"""The pretrain loop on megatron-core: model, optimizer (get_megatron_optimizer), LR schedule, data, logging."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_muon.metrics import MfuCalculator, peak_tflops
+from megatron_muon.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_muon.training.config import Recipe
+from megatron_muon.training.data import MicroBatches, build_train_dataset
+from megatron_muon.training.distributed import RunContext
+from megatron_muon.training.model import DTYPES, build_model, count_parameters, transformer_config, wrap_model
+from megatron_muon.training.report import JsonlLog, format_step, plot_run, read_jsonl
+from megatron_muon.training.validation import data_parallel_size, model_shape
+
+LOG_FILE = "train_log.jsonl"
+PLOT_FILE = "loss_mfu.png"
+
+
+def optimizer_config(recipe: Recipe):
+    """megatron OptimizerConfig from the recipe; `optimizer.name` picks the registered optimizer (muon = ours)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    opt, precision = recipe.optimizer, recipe.training.precision
+    return OptimizerConfig(
+        optimizer=opt.name,
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        clip_grad=opt.clip_grad,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        muon_momentum=opt.muon_momentum,
+        muon_nesterov=opt.muon_nesterov,
+        muon_num_ns_steps=opt.muon_num_ns_steps,
+        muon_coefficient_type=opt.muon_coefficient_type,
+        muon_scale_mode=opt.muon_scale_mode,
+        muon_extra_scale_factor=opt.muon_extra_scale_factor,
+        muon_split_qkv=opt.muon_split_qkv,
+        muon_tp_mode=opt.muon_tp_mode,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        params_dtype=DTYPES[precision],
+        use_distributed_optimizer=recipe.parallel.use_distributed_optimizer,
+    )
+
+
+def lr_scheduler(recipe: Recipe, optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt, iters = recipe.optimizer, recipe.training.train_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if opt.lr_warmup_iters else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=opt.lr_warmup_iters,
+        lr_decay_steps=opt.lr_decay_iters or iters,
+        lr_decay_style=opt.lr_decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=iters,
+        wd_incr_style="constant",
+    )
+
+
+def _forward_step_func(data_iterator, model_chunk):
+    batch = next(data_iterator)
+    output = model_chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss_mask = batch["loss_mask"]
+
+    def loss_func(per_token_losses):
+        loss = (per_token_losses.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+        return loss, {"loss": loss.detach()}
+
+    return output, loss_func
+
+
+def _global_mean_loss(losses: list[dict]) -> float:
+    """Mean loss over the step's global batch, visible on every rank (only the last stage's tp-rank-0s count)."""
+    from megatron.core import parallel_state as ps
+
+    contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and losses
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    local = torch.stack([entry["loss"].float() for entry in losses]).mean() if contributes else torch.zeros(())
+    pair = torch.stack([local.to(device), torch.tensor(1.0 if contributes else 0.0, device=device)]).double()
+    torch.distributed.all_reduce(pair)
+    return float(pair[0] / pair[1])
+
+
+def _memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@dataclass
+class _Window:
+    """Accumulates steps between two log lines."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    optimizer_seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+    def add(self, seconds: float, optimizer_seconds: float, loss: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.optimizer_seconds += optimizer_seconds
+        self.losses.append(loss)
+
+
+def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
+    """Train the recipe's model on this rank (every rank of the job calls it); returns a summary on every rank."""
+    import megatron_muon
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from tqdm import tqdm
+
+    megatron_muon.register()
+    output_dir = Path(recipe.output_dir)
+    train = recipe.training
+    on_gpu = ctx.device.type == "cuda"
+
+    config = transformer_config(recipe, on_gpu=on_gpu)
+    module = build_model(recipe, config)
+    if train.torch_compile:
+        module.forward = torch.compile(module.forward)
+    model = wrap_model(module, config, recipe)
+    optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
+    scheduler = lr_scheduler(recipe, optimizer)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+
+    start_step = 0
+    if recipe.checkpoint.load:
+        start_step = load_checkpoint(recipe.checkpoint.load, [model], optimizer, scheduler,
+                                     recipe.parallel.use_distributed_optimizer)
+
+    dp = data_parallel_size(recipe, ctx.world_size)
+    batches = MicroBatches(build_train_dataset(recipe, output_dir), train.micro_batch_size, train.global_batch_size,
+                           ps.get_data_parallel_rank(), dp, ctx.device)
+    peak = recipe.metrics.peak_tflops or peak_tflops(ctx.device_name, recipe.metrics.peak_precision)
+    shape = model_shape(recipe)
+    mfu_of = MfuCalculator.for_model(shape, peak, num_gpus=ctx.world_size)
+    tokens_per_step = train.global_batch_size * recipe.model.seq_length
+
+    log = JsonlLog(output_dir / LOG_FILE) if ctx.is_main else None
+    if log:
+        log.write({
+            "event": "start", "recipe": recipe.to_dict(), "world_size": ctx.world_size, "device": ctx.device_name,
+            "torch": torch.__version__, "start_step": start_step, "flops_per_token": mfu_of.flops_per_token,
+            "all_sdpa_flops_per_token": mfu_of.all_attention_flops_per_token, "peak_tflops_per_gpu": peak,
+            "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
+        })
+    show_bar = ctx.is_main and recipe.logging.progress_bar
+    bar = tqdm(total=train.train_iters, initial=start_step, disable=None if show_bar else True,  # None: tty only
+               unit="step", dynamic_ncols=True)
+    forward_backward = get_forward_backward_func()
+    window, first_loss, last_loss, run_start = _Window(), None, None, time.perf_counter()
+    for step in range(start_step, train.train_iters):
+        _sync()
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=_forward_step_func,
+            data_iterator=batches.for_step(step),
+            model=[model],
+            num_microbatches=batches.num_microbatches,
+            seq_length=recipe.model.seq_length,
+            micro_batch_size=train.micro_batch_size,
+            forward_only=False,
+        )
+        _sync()
+        t1 = time.perf_counter()
+        update_ok, grad_norm, _ = optimizer.step()
+        if update_ok:
+            scheduler.step(increment=1)  # schedule counted in iterations
+        _sync()
+        t2 = time.perf_counter()
+        loss = _global_mean_loss(losses)
+        first_loss = loss if first_loss is None else first_loss
+        last_loss = loss
+        window.add(t2 - t0, t2 - t1, loss)
+        bar.update(1)
+        done = step + 1
+        if done % recipe.logging.log_interval == 0 or done == train.train_iters:
+            tokens_per_s = window.steps * tokens_per_step / window.seconds
+            record = {
+                "event": "step", "step": done, "loss": sum(window.losses) / len(window.losses),
+                "lr": optimizer.param_groups[0]["lr"], "grad_norm": None if grad_norm is None else float(grad_norm),
+                "tokens_per_s": tokens_per_s, "step_time_s": window.seconds / window.steps,
+                "optimizer_share": window.optimizer_seconds / window.seconds, "memory_gib": _memory_gib(),
+                "skipped_update": not update_ok, **mfu_of(tokens_per_s),
+            }
+            if log:
+                log.write(record)
+                bar.write(format_step(record, train.train_iters))
+            window = _Window()
+        if recipe.checkpoint.save and recipe.checkpoint.save_interval and done % recipe.checkpoint.save_interval == 0:
+            save_checkpoint(recipe.checkpoint.save, done, [model], optimizer, scheduler,
+                            recipe.parallel.use_distributed_optimizer)
+    bar.close()
+    if recipe.checkpoint.save and (not recipe.checkpoint.save_interval
+                                   or train.train_iters % recipe.checkpoint.save_interval):
+        save_checkpoint(recipe.checkpoint.save, train.train_iters, [model], optimizer, scheduler,
+                        recipe.parallel.use_distributed_optimizer)
+    summary = {"first_loss": first_loss, "last_loss": last_loss, "steps": train.train_iters - start_step,
+               "seconds": time.perf_counter() - run_start, "log": str(output_dir / LOG_FILE)}
+    if log:
+        log.write({"event": "end", **summary})
+        log.close()
+        if recipe.logging.plot:
+            summary["plot"] = str(plot_run(read_jsonl(output_dir / LOG_FILE), output_dir / PLOT_FILE, recipe.name))
+    return summary

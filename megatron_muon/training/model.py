@@ -1,0 +1,136 @@
+"""Builds the recipe's model from megatron-core (GPTModel) or our hybrid specs, wrapped as megatron's pretrain does."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from megatron_muon.training.config import Recipe, RecipeError
+from megatron_muon.training.validation import full_layer_pattern, kv_channels
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def spec_backend(recipe: Recipe) -> str:
+    """'te' or 'local': 'auto' picks Transformer Engine when it is importable."""
+    backend = recipe.model.spec_backend
+    if backend == "auto":
+        return "te" if transformer_engine_available() else "local"
+    if backend == "te" and not transformer_engine_available():
+        raise RecipeError(
+            "model.spec_backend=te needs Transformer Engine; install `megatron-muon[te]` or set model.spec_backend=local."
+        )
+    return backend
+
+
+def transformer_config(recipe: Recipe, on_gpu: bool):
+    """megatron-core TransformerConfig for the recipe and the current parallel_state layout."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    model, precision = recipe.model, recipe.training.precision
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=kv_channels(recipe),
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=recipe.parallel.sequence_parallel,
+        normalization=model.normalization,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        add_bias_linear=False,
+        hidden_dropout=model.dropout,
+        attention_dropout=model.dropout,
+        init_method_std=model.init_method_std,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        params_dtype=DTYPES[precision],
+        pipeline_dtype=DTYPES[precision],
+        # The CPU path initializes on CPU so every tp layout starts from the same full weights.
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=on_gpu and model.swiglu,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        linear_conv_kernel_dim=model.gdn_conv_kernel,
+        linear_key_head_dim=model.gdn_key_head_dim,
+        linear_value_head_dim=model.gdn_value_head_dim,
+        linear_num_key_heads=model.gdn_num_key_heads,
+        linear_num_value_heads=model.gdn_num_value_heads,
+    )
+
+
+def build_model(recipe: Recipe, config):
+    """This rank's pipeline stage of the recipe's model (unwrapped)."""
+    from megatron.core import parallel_state as ps
+
+    model = recipe.model
+    backend = spec_backend(recipe)
+    if model.kind == "gpt":
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        layer_spec = (
+            get_gpt_layer_with_transformer_engine_spec(normalization=model.normalization)
+            if backend == "te"
+            else get_gpt_layer_local_spec(normalization=model.normalization)
+        )
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.seq_length,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=not model.untie_embeddings,
+            position_embedding_type=model.position_embedding,
+            rotary_base=model.rotary_base,
+        )
+    from megatron_muon.specs import build_hybrid_model
+
+    return build_hybrid_model(
+        config,
+        full_layer_pattern(recipe),
+        vocab_size=model.vocab_size,
+        max_seq_len=model.seq_length,
+        backend=backend,
+    )
+
+
+def wrap_model(module, config, recipe: Recipe):
+    """Float16Module for bf16/fp16, then megatron DDP with fp32 grad reduction: the pretrain_gpt.py wrapping."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if torch.cuda.is_available():
+        module = module.cuda(torch.cuda.current_device())
+    if recipe.training.precision in ("bf16", "fp16"):
+        module = Float16Module(config, module)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=recipe.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=recipe.parallel.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config, ddp_config, module)
+    model.broadcast_params()
+    return model
+
+
+def count_parameters(model) -> int:
+    """Parameters of this rank's shard (tp/pp local)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,73 @@
+"""What a run tells its user: a JSONL log (one record per logged step), console lines, and a loss/MFU plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+
+class JsonlLog:
+    """A fresh JSONL file; the first record describes the run, then one per logged step, then an end record."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value * scale:{spec}}{unit}"
+
+
+def format_step(record: dict[str, Any], train_iters: int) -> str:
+    """One console line per logged step."""
+    return (
+        f"step {record['step']:>6}/{train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+        f"grad norm {_fmt(record.get('grad_norm'), '.3f')} | {record['tokens_per_s']:,.0f} tok/s | "
+        f"MFU {_fmt(record['mfu'], '.1f', 100, '%')} | all-SDPA-eq MFU {_fmt(record['mfu_all_sdpa'], '.1f', 100, '%')} | "
+        f"opt step {record['optimizer_share'] * 100:.1f}% | mem {record['memory_gib']:.2f} GiB"
+    )
+
+
+def plot_run(records: Iterable[dict[str, Any]], path: Path, title: str) -> Path:
+    """Loss and MFU (tokens/s when no MFU is known, e.g. on CPU) against the step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if r.get("event") == "step"]
+    xs = [r["step"] for r in steps]
+    fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot(xs, [r["loss"] for r in steps], color="tab:blue")
+    ax_loss.set(xlabel="step", ylabel="loss", title="training loss")
+    ax_loss.grid(alpha=0.3)
+    if steps and all(r.get("mfu") is not None for r in steps):
+        ax_speed.plot(xs, [100 * r["mfu"] for r in steps], label="MFU", color="tab:green")
+        ax_speed.plot(xs, [100 * r["mfu_all_sdpa"] for r in steps], label="all-SDPA-equivalent MFU",
+                      color="tab:orange", linestyle="--")
+        ax_speed.set(ylabel="MFU (%)", title="model FLOPs utilisation")
+        ax_speed.legend()
+    else:
+        ax_speed.plot(xs, [r["tokens_per_s"] for r in steps], color="tab:green")
+        ax_speed.set(ylabel="tokens/s", title="throughput (no peak known: MFU n/a)")
+    ax_speed.set(xlabel="step")
+    ax_speed.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

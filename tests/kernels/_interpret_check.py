@@ -1,0 +1,42 @@
+"""Run under TRITON_INTERPRET=1 in a subprocess: the Triton symmetric kernel on CPU against the torch backend."""
+
+import torch
+import triton.runtime.interpreter as interpreter
+
+# Triton 3.6's interpreter turns scalars into 1-element arrays and calls int() on them for range(); numpy >= 2.5
+# refuses that. Index the single element instead (a CPU-debugging shim only; compiled kernels are unaffected).
+_patch_lang_tensor = interpreter._patch_lang_tensor
+
+
+def _patch_with_numpy_2_5_index(tensor, scope):
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+interpreter._patch_lang_tensor = _patch_with_numpy_2_5_index
+
+from megatron_muon.kernels import orthogonalize  # noqa: E402
+from megatron_muon.kernels.ops import TorchOps  # noqa: E402
+from megatron_muon.kernels.symmetric import symmetric_matmul  # noqa: E402
+
+
+def main():
+    g = torch.Generator().manual_seed(0)
+    for batch, m, k in [(2, 40, 72), (1, 16, 16), (3, 33, 5)]:
+        X = torch.randn(batch, m, k, generator=g).half()
+        out = symmetric_matmul(X, X)
+        assert torch.equal(out, out.mT)
+        torch.testing.assert_close(out.float(), TorchOps.sym_mm(X, X).float(), rtol=2e-3, atol=2e-3 * k**0.5)
+        R = (TorchOps.sym_mm(X, X).float() / k).half()
+        out = symmetric_matmul(R, R, R, alpha=2.0, beta=-3.0)
+        assert torch.equal(out, out.mT)
+        torch.testing.assert_close(out.float(), TorchOps.sym_mm(R, R, R, 2.0, -3.0).float(), rtol=2e-3, atol=2e-3)
+    G = torch.randn(2, 24, 80, generator=g)
+    for method in ("standard", "gram"):
+        fast = orthogonalize(G, method=method, backend="triton")
+        torch.testing.assert_close(fast, orthogonalize(G, method=method, backend="torch"), rtol=0, atol=2e-2)
+    print("interpreter ok")
+
+
+if __name__ == "__main__":
+    main()

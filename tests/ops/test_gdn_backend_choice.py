@@ -1,0 +1,109 @@
+"""Backend choice: correct kernels only, the right one on Hopper + old Triton, and messages that say what to install."""
+
+from importlib import metadata
+
+import pytest
+from packaging.version import Version
+
+from megatron_muon.ops import backend
+from megatron_muon.ops.backend import Hardware
+
+
+def _hw(capability, triton):
+    return Hardware(True, capability, "test GPU", Version(triton))
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv(backend.BACKEND_ENV_VAR, raising=False)
+    monkeypatch.delenv("FLA_TILELANG", raising=False)
+    monkeypatch.setattr(backend, "_require_fla", lambda hw: None)
+    monkeypatch.setattr(backend, "_selected", None)
+    monkeypatch.setattr(backend, "_requested", None)
+
+
+def _tilelang(monkeypatch, usable):
+    monkeypatch.setattr(backend, "_fla_will_use_tilelang", lambda: usable)
+
+
+def test_cpu_only_machine_uses_torch(monkeypatch):
+    assert backend._choose(Hardware(False, None, None, None)) == "torch"
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "fla-triton")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        backend._choose(Hardware(False, None, None, None))
+
+
+@pytest.mark.parametrize("triton", ["3.4.0", "3.6.0", "3.7.0"])
+def test_hopper_with_miscompiling_triton_picks_tilelang(monkeypatch, triton):
+    _tilelang(monkeypatch, True)
+    assert not _hw((9, 0), triton).fla_triton_correct
+    assert backend._choose(_hw((9, 0), triton)) == "fla-tilelang"
+
+
+def test_hopper_with_miscompiling_triton_and_no_tilelang_says_what_to_install(monkeypatch):
+    _tilelang(monkeypatch, False)
+    with pytest.raises(RuntimeError, match=r"3\.7\.1.*pip install tilelang") as info:
+        backend._choose(_hw((9, 0), "3.6.0"))
+    assert f"{backend.BACKEND_ENV_VAR}=torch" in str(info.value)
+
+
+def test_forcing_triton_where_it_is_known_wrong_raises_even_with_tilelang(monkeypatch):
+    _tilelang(monkeypatch, True)
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "fla-triton")
+    with pytest.raises(RuntimeError, match="known to be wrong"):
+        backend._choose(_hw((9, 0), "3.6.0"))
+
+
+@pytest.mark.parametrize("capability, triton", [((9, 0), "3.7.1"), ((8, 0), "3.6.0"), ((10, 0), "3.6.0"),
+                                                ((9, 0), "3.3.1")])
+def test_triton_where_it_is_correct(monkeypatch, capability, triton):
+    _tilelang(monkeypatch, False)
+    assert backend._choose(_hw(capability, triton)) == "fla-triton"
+
+
+def test_forced_triton_disables_flas_own_tilelang_routing(monkeypatch):
+    _tilelang(monkeypatch, True)
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "fla-triton")
+    assert backend._choose(_hw((9, 0), "3.7.1")) == "fla-triton"
+    import os
+
+    assert os.environ["FLA_TILELANG"] == "0"
+
+
+def test_forced_tilelang_without_tilelang_raises(monkeypatch):
+    _tilelang(monkeypatch, False)
+    backend.set_backend("fla-tilelang")
+    with pytest.raises(RuntimeError, match="pip install tilelang"):
+        backend._choose(_hw((9, 0), "3.7.1"))
+
+
+def test_torch_can_be_forced_on_a_gpu(monkeypatch):
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "torch")
+    assert backend._choose(_hw((9, 0), "3.6.0")) == "torch"
+
+
+def test_missing_fla_names_the_packages(monkeypatch):
+    monkeypatch.undo()  # restore the real _require_fla
+    real_version = metadata.version
+
+    def version(name):
+        if name == "fla-core":
+            raise metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(backend.metadata, "version", version)
+    with pytest.raises(RuntimeError, match=r"pip install .*flash-linear-attention>=0.6,<0.7.* tilelang"):
+        backend._require_fla(_hw((9, 0), "3.6.0"))
+
+
+def test_unknown_names_are_rejected():
+    with pytest.raises(ValueError, match="unknown GDN backend"):
+        backend.set_backend("cuda")
+
+
+def test_selection_is_made_once_and_reported(monkeypatch):
+    calls = []
+    monkeypatch.setattr(backend, "_choose", lambda hw: calls.append(hw) or "torch")
+    assert backend.selected_backend() == "torch"
+    assert backend.selected_backend() == "torch"
+    assert len(calls) == 1
