@@ -71,7 +71,8 @@ def emerging_ns(precision: str):
         previous = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision(precision)
         try:
-            return newton_schulz(g32, steps=STEPS, coefficient_type="quintic")
+            # its "simple" set is Keller's quintic (its "quintic" is a different schedule)
+            return newton_schulz(g32, steps=STEPS, coefficient_type="simple")
         finally:
             torch.set_float32_matmul_precision(previous)
 
@@ -162,17 +163,45 @@ def run_reference_set(args) -> tuple[list[str], dict]:
 
 
 def run_auto_sweep(args) -> list[str]:
-    """Standard vs Gram (Triton) over aspect ratios: the measurement behind GRAM_MIN_ASPECT."""
+    """Standard vs Gram (Triton) over aspect ratios: the measurement behind the `auto` rule."""
     lines = ["| m × n | batch | standard ms | gram ms | gram / standard |", "|---|---:|---:|---:|---:|"]
-    for m in (1024, 2048):
-        for aspect in (1.0, 1.25, 1.5, 2.0, 2.75, 4.0):
+    grid = {
+        1024: (1.0, 1.5, 2.0, 2.25, 2.5, 2.75, 4.0),
+        2048: (1.0, 1.25, 1.4, 1.5, 2.0, 2.75, 4.0),
+        4096: (1.0, 1.25, 1.5),
+    }
+    for m, aspects in grid.items():
+        for aspect in aspects:
             n = int(m * aspect)
-            batch = 8 if m == 1024 else 4
+            batch = {1024: 8, 2048: 4, 4096: 1}[m]
             G = torch.randn(batch, m, n, device="cuda", dtype=torch.bfloat16)
             t_std = cuda_ms(lambda: orthogonalize(G, method="standard"), args.warmup, args.reps)
             t_gram = cuda_ms(lambda: orthogonalize(G, method="gram"), args.warmup, args.reps)
             lines.append(f"| {m} × {n} | {batch} | {t_std:.3f} | {t_gram:.3f} | {t_gram / t_std:.3f} |")
             print(lines[-1], flush=True)
+    return lines + [""] + kernel_lines(args)
+
+
+def kernel_lines(args) -> list[str]:
+    """The Triton symmetric product against cuBLAS computing the full product (TFLOP/s on the full-GEMM count)."""
+    from megatron_muon.kernels.ops import TorchOps
+    from megatron_muon.kernels.symmetric import symmetric_matmul
+
+    lines = [
+        "| product | shape | cuBLAS ms | Triton ms | Triton full-GEMM-equivalent TFLOP/s |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for b, m, k, with_c in ((24, 2048, 11264, False), (18, 2048, 9216, False), (24, 2048, 2048, True)):
+        X = torch.randn(b, m, k, device="cuda", dtype=torch.float16) / k**0.5
+        C = TorchOps.sym_mm(X[..., :m], X[..., :m]) if with_c else None
+        A = C if with_c else X
+        t_torch = cuda_ms(lambda: TorchOps.sym_mm(A, A, C, 2.0, -1.0), args.warmup, args.reps)
+        t_triton = cuda_ms(lambda: symmetric_matmul(A, A, C, 2.0, -1.0), args.warmup, args.reps)
+        inner = A.size(-1)
+        label = "b·A + c·A²" if with_c else "X·Xᵀ"
+        tflops = 2 * b * m * m * inner / t_triton / 1e9
+        lines.append(f"| {label} | {b}×{m}×{inner} | {t_torch:.3f} | {t_triton:.3f} | {tflops:.0f} |")
+        print(lines[-1], flush=True)
     return lines
 
 
@@ -201,11 +230,13 @@ def main():
     head = [line.replace("{reps}", str(args.reps)) for line in header(command)]
     if args.auto_sweep:
         sweep = run_auto_sweep(args)
-        args.auto_sweep.write_text("# Standard vs Gram NS by aspect ratio (auto rule)\n\n" + "\n".join(head + [""] + sweep) + "\n")
+        title = "# Standard vs Gram NS by aspect ratio (auto rule)\n\n"
+        args.auto_sweep.write_text(title + "\n".join(head + [""] + sweep) + "\n")
     lines, totals = run_reference_set(args)
     base = totals["torch.optim.Muon NS"]
-    summary = [f"- whole set, {label}: {ms:.2f} ms = {ms / base:.3f}× torch.optim.Muon" for label, ms in totals.items()]
-    body = "# Orthogonalization of the reference set (96 matrices)\n\n" + "\n".join(head + [""] + summary + [""] + lines)
+    summary = [f"- whole set, {name}: {ms:.2f} ms = {ms / base:.3f}× torch.optim.Muon" for name, ms in totals.items()]
+    title = "# Orthogonalization of the reference set (96 matrices)\n\n"
+    body = title + "\n".join(head + [""] + summary + [""] + lines)
     args.out.write_text(body + "\n")
     print("\n".join(summary))
 

@@ -30,6 +30,7 @@ def _enter_cpu_mode() -> None:
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
     torch.accelerator.current_device_index = lambda: 0
+    torch.cuda.is_current_stream_capturing = lambda: False
     _dynamo.config.disable = True  # megatron's jit_fuser would compile for tens of seconds on CPU
 
 

@@ -113,7 +113,7 @@ def _pretrain_command(args: argparse.Namespace) -> int:
     recipe = load_and_validate(args, launched_world_size())
     _check_optimizer_name(recipe.optimizer.name)
     ctx = init_distributed(recipe.parallel.tensor_model_parallel_size, recipe.parallel.pipeline_model_parallel_size,
-                           recipe.training.seed, recipe.training.torch_compile)
+                           recipe.training.torch_compile)
     try:
         summary = pretrain(recipe, ctx)
     finally:

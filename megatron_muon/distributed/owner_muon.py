@@ -41,15 +41,19 @@ class OwnerMuon(Muon):
     Args (beyond `Muon`'s):
         tp_group, dp_group: this stage's tensor- and data-parallel groups (None = size 1). Gradients must already
             be summed/averaged over `dp_group` (megatron's DDP does it); parameters are replicated across it.
+        expert_tp_group, expert_dp_group: used instead when every parameter is an expert weight (megatron marks
+            them `allreduce = False`); megatron builds expert and dense parameters into separate optimizers.
         cost_model: per-shape cost for owner balancing (default: FLOPs); e.g. `plan.MeasuredCost` from a profile.
         plan_method, plan_time_limit_s: forwarded to `plan.plan_owners`.
     """
 
-    def __init__(self, params, *args, tp_group=None, dp_group=None, cost_model: CostModel | None = None,
-                 plan_method: str = "auto", plan_time_limit_s: float = 1.0, **kwargs):
+    def __init__(self, params, *args, tp_group=None, dp_group=None, expert_tp_group=None, expert_dp_group=None,
+                 cost_model: CostModel | None = None, plan_method: str = "auto", plan_time_limit_s: float = 1.0,
+                 **kwargs):
         if kwargs.get("tp_mode", "duplicated") == "blockwise":
             raise ValueError("OwnerMuon always orthogonalizes whole matrices; tp_mode='blockwise' is not available "
                              "here (use megatron_muon.optimizer.Muon for blockwise)")
+        self._groups = {"dense": (tp_group, dp_group), "expert": (expert_tp_group, expert_dp_group)}
         self.grid = StageGrid(tp_group, dp_group)
         self.cost_model = cost_model or AnalyticCost()
         self.plan_method, self.plan_time_limit_s = plan_method, plan_time_limit_s
@@ -78,6 +82,15 @@ class OwnerMuon(Muon):
         key = tuple(zip(map(id, params), group_of))
         if self._units_key == key:
             return
+        experts = [getattr(p, "allreduce", True) is False for p in params]
+        if any(experts) and not all(experts):
+            raise ValueError("OwnerMuon got expert weights (allreduce=False) and dense weights in one optimizer; "
+                             "build one OwnerMuon per kind (megatron's factory does) so each uses its own groups")
+        if all(experts):
+            tp_group, dp_group = self._groups["expert"]
+            if tp_group is None and dp_group is None:
+                tp_group, dp_group = self._groups["dense"]
+            self.grid = StageGrid(tp_group, dp_group)
         tp = self.grid.tp_size
         units: list[_Unit] = []
         layouts = [self._layout(param, name) for param, name in zip(params, names)]

@@ -23,6 +23,9 @@ Shape = tuple[int, int]
 # A node budget (not only a time limit) keeps the MILP's answer independent of machine load; the time limit is a
 # safety net. Near-optimal plans are found at the root; the tree mostly tightens the bound.
 MILP_NODE_LIMIT = 500
+# The greedy runs once per batch granularity (fractions of the lower bound; 0 = one matrix per batch) and keeps
+# the best: coarse batches save launches, fine ones balance better, and which wins depends on the shape mix.
+LPT_BATCH_FRACTIONS = (1.0, 0.5, 0.25, 0.0)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,23 @@ class MeasuredCost:
         return fit[1] if fit else self.fallback.matrix_cost(shape) * self._scale
 
 
+class _CachedCost:
+    """Per-shape memo of a cost model (planning asks for the same few shapes thousands of times)."""
+
+    def __init__(self, inner: CostModel):
+        self.inner, self._launch, self._matrix = inner, {}, {}
+
+    def launch_cost(self, shape: Shape) -> float:
+        if shape not in self._launch:
+            self._launch[shape] = float(self.inner.launch_cost(shape))
+        return self._launch[shape]
+
+    def matrix_cost(self, shape: Shape) -> float:
+        if shape not in self._matrix:
+            self._matrix[shape] = float(self.inner.matrix_cost(shape))
+        return self._matrix[shape]
+
+
 @dataclass(frozen=True)
 class OwnerPlan:
     """The assignment plus what it is predicted to cost; identical on every rank for identical inputs."""
@@ -191,23 +211,38 @@ def lower_bound(matrices: Sequence[MatrixSpec], cost: CostModel) -> float:
             if tighter <= bound * (1 + 1e-12):
                 break
             bound = tighter
-        best = max(best, bound)
+        best = max(best, bound, _pigeonhole_bound(inside, cost, len(ranks)))
     return best
 
 
-def plan_lpt(matrices: Sequence[MatrixSpec], cost: CostModel) -> tuple[int, ...]:
-    """Batch-aware longest-processing-time greedy.
+def _pigeonhole_bound(matrices: Sequence[MatrixSpec], cost: CostModel, num_ranks: int) -> float:
+    """Among the k·R + 1 costliest matrices some rank gets k + 1, so its load is at least the k + 1 cheapest of
+    those plus one launch (what makes 10 equal big matrices on 8 ranks cost two matrices, not 1.25)."""
+    costs = sorted((cost.matrix_cost(m.shape) for m in matrices), reverse=True)
+    launches = min((cost.launch_cost(m.shape) for m in matrices), default=0.0)
+    best, k = 0.0, 1
+    while k * num_ranks < len(costs):
+        best = max(best, sum(costs[k * num_ranks - k : k * num_ranks + 1]) + launches)
+        k += 1
+    return best
 
-    Each (shape, holders) class is cut into the fewest contiguous batches the lower bound allows; batches go,
-    biggest first, to the holder whose load grows least (a rank that already runs the shape pays no launch)."""
-    target = lower_bound(matrices, cost)
+
+def plan_lpt(matrices: Sequence[MatrixSpec], cost: CostModel, batch_fraction: float = 1.0) -> tuple[int, ...]:
+    """Longest-processing-time greedy, batch-aware.
+
+    Each (shape, holders) class is cut into contiguous batches no longer than `batch_fraction` × the lower
+    bound (0: every matrix its own batch). Batches go, biggest first, to the holder whose load grows least
+    (a rank that already runs the shape pays no second launch)."""
+    target = lower_bound(matrices, cost) * batch_fraction
     classes: dict[tuple[Shape, tuple[int, ...]], list[int]] = {}
     for i, m in enumerate(matrices):
         classes.setdefault((m.shape, m.holders), []).append(i)
     batches = []
     for (shape, holders), members in classes.items():
         launch, work = cost.launch_cost(shape), cost.matrix_cost(shape)
-        count = min(len(members), len(holders), _min_batches(len(members), launch, work, target))
+        count = len(members)
+        if target > launch + work:
+            count = min(count, _min_batches(len(members), launch, work, target))
         for chunk in np.array_split(np.array(members), count):
             batches.append((launch + len(chunk) * work, int(chunk[0]), shape, holders, chunk.tolist()))
     batches.sort(key=lambda b: (-b[0], b[1]))
@@ -322,42 +357,64 @@ def plan_milp(
 
 
 def improve_owners(
-    matrices: Sequence[MatrixSpec], owners: Sequence[int], cost: CostModel, max_moves: int | None = None
+    matrices: Sequence[MatrixSpec], owners: Sequence[int], cost: CostModel, max_rounds: int | None = None
 ) -> tuple[int, ...]:
-    """Deterministic local search: move one matrix off the most loaded rank while that lowers the pair's max.
+    """Deterministic local search on the most loaded rank: the best single move of one of its matrices, else
+    the best swap with a matrix of another shape elsewhere, while that lowers the pair's max load.
 
-    Repairs what greedy orders and time-limited solvers leave behind (a stray launch, an unlucky last item)."""
+    Repairs what greedy orders and time-limited solvers leave behind (a stray launch, an unlucky big item)."""
     owners = list(owners)
+    work = {m.shape: cost.matrix_cost(m.shape) for m in matrices}
+    launch = {m.shape: cost.launch_cost(m.shape) for m in matrices}
     loads = rank_loads(matrices, owners, cost)
+    on_rank: dict[int, dict[tuple, list[int]]] = defaultdict(lambda: defaultdict(list))  # rank -> class -> members
+    for i, (spec, owner) in enumerate(zip(matrices, owners)):
+        on_rank[owner][(spec.shape, spec.holders)].append(i)
     count: dict[tuple[int, Shape], int] = defaultdict(int)
     for spec, owner in zip(matrices, owners):
         count[(owner, spec.shape)] += 1
-    for _ in range(max_moves if max_moves is not None else 4 * len(matrices)):
+
+    def removed(rank: int, shape: Shape) -> float:
+        return loads[rank] - work[shape] - (launch[shape] if count[(rank, shape)] == 1 else 0.0)
+
+    def added(load: float, rank: int, shape: Shape) -> float:
+        return load + work[shape] + (0.0 if count[(rank, shape)] else launch[shape])
+
+    for _ in range(max_rounds if max_rounds is not None else 4 * len(matrices)):
         src = max(sorted(loads), key=lambda r: loads[r])
-        best = None  # (new pair max, dst, matrix index)
-        tried: set[tuple[Shape, tuple[int, ...]]] = set()
-        for i in range(len(matrices) - 1, -1, -1):
-            spec = matrices[i]
-            if owners[i] != src or (spec.shape, spec.holders) in tried:
-                continue
-            tried.add((spec.shape, spec.holders))
-            work, launch = cost.matrix_cost(spec.shape), cost.launch_cost(spec.shape)
-            new_src = loads[src] - work - (launch if count[(src, spec.shape)] == 1 else 0.0)
-            for dst in spec.holders:
+        last = {r: {key: members[-1] for key, members in classes.items() if members} for r, classes in on_rank.items()}
+        best = None  # (new pair max, dst, i, j or -1)
+        for (shape, holders), i in sorted(last[src].items()):
+            for dst in holders:
                 if dst == src:
                     continue
-                new_dst = loads[dst] + work + (0.0 if count[(dst, spec.shape)] else launch)
-                pair = max(new_src, new_dst)
-                if pair < loads[src] * (1 - 1e-12) and (best is None or (pair, dst, i) < best):
-                    best = (pair, dst, i)
+                pair = max(removed(src, shape), added(loads[dst], dst, shape))
+                if pair < loads[src] * (1 - 1e-12) and (best is None or (pair, dst, i, -1) < best):
+                    best = (pair, dst, i, -1)
+        if best is None:
+            for (shape, holders), i in sorted(last[src].items()):
+                for dst in holders:
+                    for (other, other_holders), j in sorted(last.get(dst, {}).items()) if dst != src else ():
+                        if other == shape or src not in other_holders:
+                            continue
+                        new_src = added(removed(src, shape), src, other)
+                        new_dst = added(removed(dst, other), dst, shape)
+                        pair = max(new_src, new_dst)
+                        if pair < loads[src] * (1 - 1e-12) and (best is None or (pair, dst, i, j) < best):
+                            best = (pair, dst, i, j)
         if best is None:
             break
-        _, dst, i = best
-        shape = matrices[i].shape
-        count[(src, shape)] -= 1
-        count[(dst, shape)] += 1
-        owners[i] = dst
-        loads = rank_loads(matrices, owners, cost)
+        _, dst, i, j = best
+        moves = [(i, src, dst)] + ([(j, dst, src)] if j >= 0 else [])
+        for index, old, new in moves:
+            spec = matrices[index]
+            loads[old] = removed(old, spec.shape)
+            loads[new] = added(loads[new], new, spec.shape)
+            count[(old, spec.shape)] -= 1
+            count[(new, spec.shape)] += 1
+            on_rank[old][(spec.shape, spec.holders)].remove(index)
+            on_rank[new][(spec.shape, spec.holders)].append(index)
+            owners[index] = new
     return tuple(owners)
 
 
@@ -372,7 +429,7 @@ def plan_owners(
 
     method: "milp", "lpt", or "auto" (MILP when small enough, else LPT; the better of the two is kept)."""
     matrices = tuple(matrices)
-    cost = cost or AnalyticCost()
+    cost = _CachedCost(cost or AnalyticCost())
     if method not in ("auto", "milp", "lpt"):
         raise ValueError(f"method must be 'auto', 'milp' or 'lpt', got {method!r}")
     names = [m.name for m in matrices]
@@ -383,7 +440,8 @@ def plan_owners(
     if not matrices:
         return OwnerPlan((), (), {}, 0.0, 0.0, "empty")
 
-    lpt = improve_owners(matrices, plan_lpt(matrices, cost), cost)
+    greedy = [improve_owners(matrices, plan_lpt(matrices, cost, fraction), cost) for fraction in LPT_BATCH_FRACTIONS]
+    lpt = min(greedy, key=lambda owners: max(rank_loads(matrices, owners, cost).values()))
     candidates = [("lpt", lpt)]
     num_vars = len({(m.shape, m.holders, r) for m in matrices for r in m.holders}) * 2 + 1
     if method == "milp" or (method == "auto" and num_vars <= max_milp_vars):

@@ -15,12 +15,17 @@ from megatron_muon.kernels.ops import select_ops
 
 METHODS = ("standard", "gram", "auto")
 
-# `auto` uses Gram NS when max(m, n) / min(m, n) >= GRAM_MIN_ASPECT (see `flops`: on FLOPs alone Gram NS with
-# symmetric products breaks even near aspect 1). PROVISIONAL until measured on the H200.
+# `auto` rule, measured on one H200 (benchmarks/results/orthogonalize_auto.md: bf16 input, 5 quintic steps, Triton
+# symmetric kernels, default restarts). Gram/standard time: short side 2048: 1.05x square, 0.96-1.03x at aspect
+# 1.4-1.5, 0.85x at 2.75, 0.78x at 4; short side 1024 (too little m×m work to fill the GPU): 1.01-1.22x at 2.0,
+# 0.97x at 2.5, 0.82-0.94x at 2.75 (noisy ~1 ms calls). Square matrices are always faster with standard NS.
 GRAM_MIN_ASPECT = 1.5
+GRAM_MIN_ASPECT_SHORT_SIDE = 1536
+GRAM_MIN_ASPECT_SMALL = 2.5
 
 # Iteration dtypes. Standard NS keeps X bounded (singular values <= ~1.2, entries far above fp16's subnormals), so
-# fp16 costs the same as bf16 (Muon's convention) and is ~7x more accurate against the fp64 iteration. Gram NS
+# fp16 costs the same as bf16 (Muon's convention) and is ~5x more accurate against the fp64 iteration (relative
+# error 0.002 vs torch.optim.Muon's 0.009 on the reference shapes, benchmarks/results/orthogonalize.md). Gram NS
 # iterates on X·Xᵀ, which squares the condition number: fp16's 3 extra mantissa bits keep small eigenvalues
 # resolved, and the values stay far inside fp16's range (R <= ~1.5, Q <= ~50 between restarts).
 STANDARD_DTYPE = torch.float16
@@ -30,8 +35,11 @@ GRAM_DTYPE = torch.float16
 # relative error of small eigenvalues, so the error grows with the number of updates between restarts. On inputs
 # with singular values 1e-6..1 (tests/kernels), restarting before iteration 2 only leaves a 0.1-0.2 error in the
 # output singular values (0.8 with Polar Express); restarting before 2 and 4 brings it to 0.005-0.02, close to
-# standard NS, for ~25% more Gram FLOPs at aspect 4. No restart at all blows up (singular values > 100).
+# standard NS, for ~25% more Gram FLOPs at aspect 4 (H200, reference set: 84.6 ms vs 77.5 ms with the single
+# restart; orthogonalize(..., restarts=(2,)) trades that accuracy for speed). No restart at all blows up.
 DEFAULT_RESTARTS = (2, 4)
+
+LONG_SIDE_ALIGNMENT = 64
 
 
 def newton_schulz(X: torch.Tensor, schedule: Sequence[Coefficient], ops) -> torch.Tensor:
@@ -83,10 +91,28 @@ def gram_newton_schulz(
     return ops.mm(Q, X)
 
 
+def _padded_long_side(X: torch.Tensor, n: int) -> torch.Tensor:
+    """Contiguous copy with the long side zero-padded to a multiple of LONG_SIDE_ALIGNMENT.
+
+    Zero columns leave X·Xᵀ, every iterate's other columns and the result unchanged (they stay zero), and they
+    make rows 128-byte aligned: 9228-wide fp16 rows otherwise force slow unaligned GEMM paths (measured on the
+    H200: the GDN in_proj shape ran at ~230 TFLOP/s against ~550 for aligned shapes, in torch.optim.Muon too).
+    """
+    padded = -(-n // LONG_SIDE_ALIGNMENT) * LONG_SIDE_ALIGNMENT
+    if padded == n:
+        return X.contiguous()
+    out = X.new_zeros(*X.shape[:-1], padded)
+    out[..., :n] = X
+    return out
+
+
 def choose_method(m: int, n: int) -> str:
     """The measured `auto` rule (see GRAM_MIN_ASPECT)."""
     small, large = min(m, n), max(m, n)
-    return "gram" if small > 0 and large >= GRAM_MIN_ASPECT * small else "standard"
+    if small == 0:
+        return "standard"
+    threshold = GRAM_MIN_ASPECT if small >= GRAM_MIN_ASPECT_SHORT_SIDE else GRAM_MIN_ASPECT_SMALL
+    return "gram" if large >= threshold * small else "standard"
 
 
 def _check_inputs(G: torch.Tensor, method: str, eps: float, restarts) -> None:
@@ -121,9 +147,9 @@ def orthogonalize(
     """Approximate the polar factor U·Vᵀ of G ([m, n] or [b, m, n]) with Newton–Schulz; same shape and dtype.
 
     method: 'standard', 'gram' (iterate on the smaller-side Gram matrix; restarts before the iterations listed in
-    `restarts`, default before the 3rd and 5th), or 'auto' (Gram for aspect >= GRAM_MIN_ASPECT). backend: 'auto'
-    (Triton symmetric kernels on sm80/sm90 GPUs, torch elsewhere), 'torch' or 'triton'. compute_dtype overrides the
-    iteration dtype (bf16 for standard, fp16 for Gram).
+    `restarts`, default before the 3rd and 5th), or 'auto' (Gram when the aspect ratio makes it faster, see
+    `choose_method`). backend: 'auto' (Triton symmetric kernels on sm80/sm90 GPUs, torch elsewhere), 'torch' or
+    'triton'. compute_dtype overrides the iteration dtype (fp16; fp32 for a near-exact iteration on CPU).
     """
     restarts = tuple(restarts)
     _check_inputs(G, method, eps, restarts)
@@ -140,12 +166,13 @@ def orthogonalize(
 
     X = X.to(torch.float32)
     X = X / torch.linalg.matrix_norm(X, ord="fro", keepdim=True).clamp_min(eps)
-    X = X.to(work_dtype).contiguous()
+    X = _padded_long_side(X.to(work_dtype), n)
     ops = select_ops(X.device, backend)
     if chosen == "gram":
         Y = gram_newton_schulz(X, schedule, ops, restarts=restarts, transpose_output=transposed)
+        Y = Y[:, :n, :] if transposed else Y[:, :, :n]
     else:
-        Y = newton_schulz(X, schedule, ops)
+        Y = newton_schulz(X, schedule, ops)[:, :, :n]
         if transposed:
             Y = Y.mT
     if G.ndim == 2:

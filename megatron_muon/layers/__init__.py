@@ -9,9 +9,11 @@ from megatron_muon.layers.attention import (
 )
 from megatron_muon.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSubmodules, GatedRMSNorm
 from megatron_muon.layers.gdn_config import GatedDeltaNetShape, gdn_shape_from_config
+from megatron_muon.layers.linear import CompilableRowParallelLinear
 
 __all__ = [
     "AttentionKernelReport",
+    "CompilableRowParallelLinear",
     "GatedDeltaNet",
     "GatedDeltaNetShape",
     "GatedDeltaNetSubmodules",

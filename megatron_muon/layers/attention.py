@@ -153,7 +153,7 @@ class SDPADotProductAttention(MegatronModule):
 
 ATTENTION_KERNEL_PATTERNS = (  # (backend, substrings of profiler event names), most specific first
     ("cudnn", ("cudnn_attention", "cudnn_generated_fort_native_sdpa", "fused_attn", "fusedattn")),
-    ("flash", ("_scaled_dot_product_flash_attention", "flash_fwd", "flash_bwd", "flashattn")),
+    ("flash", ("_scaled_dot_product_flash_attention", "flash_fwd", "flash_bwd", "flash_attn", "flashattention")),
     ("efficient", ("_efficient_attention", "fmha_cutlass", "mem_efficient")),
     ("math", ("_scaled_dot_product_attention_math",)),
     ("te_unfused", ("scaled_upper_triang_masked_softmax", "scaled_masked_softmax", "unfuseddotproductattention")),

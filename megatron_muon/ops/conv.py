@@ -115,8 +115,9 @@ def causal_conv1d_bwd(
 
 @causal_conv1d_bwd.register_fake
 def _(x, weight, bias, activation, cu_seqlens, dy):
-    dbias = torch.empty_like(bias) if bias is not None else x.new_empty(0)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight), dbias
+    dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias is not None else x.new_empty(0)
+    contiguous = torch.contiguous_format
+    return torch.empty_like(x, memory_format=contiguous), torch.empty_like(weight, memory_format=contiguous), dbias
 
 
 def _setup_context(ctx, inputs, output):

@@ -36,7 +36,7 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
         )
     if final_state is None:
         final_state = torch.empty(0, dtype=torch.float32, device=q.device)
-    return o.to(v.dtype), final_state.float(), g_cumsum.float(), a_inverse.to(k.dtype)
+    return tuple(t.contiguous() for t in (o.to(v.dtype), final_state.float(), g_cumsum.float(), a_inverse.to(k.dtype)))
 
 
 def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, scale, initial_state, cu_seqlens, do, dht):
@@ -51,7 +51,8 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, scale, initial_state, cu
             dht=dht, cu_seqlens=cu_seqlens, chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE,
         )
     dh0 = torch.empty(0, dtype=q.dtype, device=q.device) if initial_state is None else dh0.to(initial_state.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+    grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+    return tuple(grad.contiguous() for grad in grads)
 
 
 def conv_forward(x, weight, bias, activation, cu_seqlens):
@@ -62,7 +63,7 @@ def conv_forward(x, weight, bias, activation, cu_seqlens):
             x=x, weight=weight.contiguous(), bias=None if bias is None else bias.contiguous(), residual=None,
             activation=activation, cu_seqlens=cu_seqlens,
         )
-    return y
+    return y.contiguous()
 
 
 def conv_backward(x, weight, bias, activation, cu_seqlens, dy):
@@ -73,21 +74,22 @@ def conv_backward(x, weight, bias, activation, cu_seqlens, dy):
             x=x, dy=dy.contiguous(), dht=None, weight=weight.contiguous(),
             bias=None if bias is None else bias.contiguous(), activation=activation, cu_seqlens=cu_seqlens,
         )
-    return dx, dweight, dbias
+    return dx.contiguous(), dweight.contiguous(), None if dbias is None else dbias.contiguous()
 
 
 def l2norm_forward(x, eps):
     from fla.modules.norm.l2norm import l2norm_fwd
 
     with torch.cuda.device(x.device):
-        return l2norm_fwd(x.contiguous(), eps=eps)
+        y, rstd = l2norm_fwd(x.contiguous(), eps=eps)
+    return y.contiguous(), rstd.contiguous()
 
 
 def l2norm_backward(y, rstd, dy, eps):
     from fla.modules.norm.l2norm import l2norm_bwd
 
     with torch.cuda.device(y.device):
-        return l2norm_bwd(y.contiguous(), rstd.contiguous(), dy.contiguous(), eps=eps)
+        return l2norm_bwd(y.contiguous(), rstd.contiguous(), dy.contiguous(), eps=eps).contiguous()
 
 
 def gated_rms_norm_forward(x, gate, weight, eps):

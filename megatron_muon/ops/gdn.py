@@ -98,7 +98,7 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
     else:
         final_state = q.new_empty(0, dtype=torch.float32)
     return (
-        v.new_empty(v.shape),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
         final_state,
         q.new_empty(batch, seq_len, value_heads, dtype=torch.float32),
         k.new_empty(batch, seq_len, value_heads, CHUNK_SIZE),
@@ -118,9 +118,8 @@ def gdn_chunk_bwd(
 
 @gdn_chunk_bwd.register_fake
 def _(q, k, v, g, beta, g_cumsum, a_inverse, scale, initial_state, cu_seqlens, do, dht):
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)
+    dh0 = initial_state if initial_state is not None else q.new_empty(0)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, g, beta, dh0))
 
 
 def _setup_context(ctx, inputs, output):

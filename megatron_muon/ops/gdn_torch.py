@@ -133,10 +133,10 @@ def chunk_gdn_forward_torch(q, k, v, g, beta, scale: float, initial_state, outpu
     layout = t["layout"]
     final_state = final_state.float() if output_final_state else final_state.new_empty(0, dtype=torch.float32)
     return (
-        layout.from_chunks(o).to(v.dtype),
-        final_state,
-        layout.from_chunks(t["gc"]).float(),
-        layout.from_chunks(t["inverse"]).to(k.dtype),
+        layout.from_chunks(o).to(v.dtype).contiguous(),
+        final_state.contiguous(),
+        layout.from_chunks(t["gc"]).float().contiguous(),
+        layout.from_chunks(t["inverse"]).to(k.dtype).contiguous(),
     )
 
 
@@ -172,7 +172,8 @@ def chunk_gdn_backward_torch(q, k, v, g, beta, scale: float, initial_state, cu_s
         dh0 = dq.new_empty(0)
     else:
         dh0 = torch.cat([d_initial[s] for s in range(len(d_initial))]).to(initial_state.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+    grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+    return tuple(grad.contiguous() for grad in grads)
 
 
 def _final_state_grad(dht, layout: _ChunkLayout, segment: int, like: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,7 @@ def gated_rms_norm_bwd(
     dweight = (d_affine * normed).reshape(-1, x.shape[-1]).sum(0)
     d_normed = d_affine * weight_c
     dx = (d_normed - normed * (d_normed * normed).mean(-1, keepdim=True)) * rstd.to(dtype)[..., None]
-    return dx.to(x.dtype).contiguous(), dgate.to(gate.dtype).contiguous(), dweight.to(weight.dtype)
+    return dx.to(x.dtype).contiguous(), dgate.to(gate.dtype).contiguous(), dweight.to(weight.dtype).contiguous()
 
 
 @gated_rms_norm_bwd.register_fake
@@ -120,7 +120,7 @@ def _(x, gate, weight, rstd, dy, eps):
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(gate, memory_format=torch.contiguous_format),
-        torch.empty_like(weight),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
     )
 
 

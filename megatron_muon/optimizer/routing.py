@@ -123,13 +123,16 @@ def piece_as_matrices(piece: torch.Tensor) -> torch.Tensor:
 def tag_fused_in_proj(module: torch.nn.Module) -> int:
     """Mark GDN-style fused input projections so Muon orthogonalizes each section on its own.
 
-    Any submodule exposing `in_proj_split_sections` (this rank's row count per section, e.g. megatron's
-    GatedDeltaNet: q, k, v, z, beta, alpha) gets its `in_proj.weight` tagged with megatron's fused-projection
-    attributes, which megatron copies onto fp32 master weights. Returns how many weights were tagged.
+    Any submodule exposing this rank's row count per in_proj section (q, k, v, z, beta, alpha) as megatron's
+    GatedDeltaNet `in_proj_split_sections` attribute or the plugin layer's `in_proj_sections()` method gets its
+    `in_proj.weight` tagged with megatron's fused-projection attributes, which megatron copies onto fp32 master
+    weights. Returns how many weights were tagged.
     """
     tagged = 0
     for sub in module.modules():
         sections = getattr(sub, "in_proj_split_sections", None)
+        if sections is None and callable(getattr(sub, "in_proj_sections", None)):
+            sections = sub.in_proj_sections()
         in_proj = getattr(sub, "in_proj", None)
         weight = getattr(in_proj, "weight", None)
         if sections is None or not isinstance(weight, torch.Tensor) or weight.ndim != 2:

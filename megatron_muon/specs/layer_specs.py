@@ -16,7 +16,7 @@ from megatron.core.extensions.transformer_engine import (
     TERowParallelLinear,
 )
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from megatron_muon.layers.attention import SDPADotProductAttention, TEFusedDotProductAttention
 from megatron_muon.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron_muon.layers.linear import CompilableRowParallelLinear
 
 BACKENDS = ("local", "te")
 GDN_SYMBOL = "G"
@@ -43,7 +44,7 @@ def check_backend(backend: str) -> str:
 def mlp_builder(backend: str):
     """Megatron's dense MLP with the backend's linears (fc1 carries the fused pre-norm under TE)."""
     fc1 = TELayerNormColumnParallelLinear if check_backend(backend) == "te" else ColumnParallelLinear
-    fc2 = TERowParallelLinear if backend == "te" else RowParallelLinear
+    fc2 = TERowParallelLinear if backend == "te" else CompilableRowParallelLinear
     return partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
 
 
@@ -54,7 +55,7 @@ def gdn_mixer_spec(backend: str) -> ModuleSpec:
         module=GatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(
             in_proj=TELayerNormColumnParallelLinear if te else ColumnParallelLinear,
-            out_proj=TERowParallelLinear if te else RowParallelLinear,
+            out_proj=TERowParallelLinear if te else CompilableRowParallelLinear,
         ),
     )
 
@@ -69,7 +70,7 @@ def attention_mixer_spec(backend: str, qk_layernorm: bool = False) -> ModuleSpec
         submodules=SelfAttentionSubmodules(
             linear_qkv=TELayerNormColumnParallelLinear if te else ColumnParallelLinear,
             core_attention=TEFusedDotProductAttention if te else SDPADotProductAttention,
-            linear_proj=TERowParallelLinear if te else RowParallelLinear,
+            linear_proj=TERowParallelLinear if te else CompilableRowParallelLinear,
             q_layernorm=qk_norm,
             k_layernorm=qk_norm,
         ),

@@ -58,39 +58,54 @@ def _export_launcher_env() -> None:
         os.environ["MASTER_PORT"] = str(free_port())
 
 
-def init_distributed(tp: int, pp: int, seed: int, torch_compile: bool) -> RunContext:
-    """Start the process group and megatron's parallel_state for this (tp, pp) layout; returns who we are."""
-    _export_launcher_env()
-    use_cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device, device_name, backend = torch.device("cuda", local_rank), torch.cuda.get_device_name(local_rank), "nccl"
-    else:
-        from megatron_muon._cpu import enable_cpu_mode
+def _prepare_cpu(torch_compile: bool) -> None:
+    from megatron_muon._cpu import cpu_mode_enabled, enable_cpu_mode
 
+    if not cpu_mode_enabled():
         enable_cpu_mode()
-        if not torch_compile:  # megatron's jit_fuser would otherwise compile on CPU for tens of seconds
-            from torch import _dynamo
+    if "OMP_NUM_THREADS" not in os.environ:
+        # One intra-op thread per rank: CPU runs are tiny, and spinning OpenMP threads on shared cores made
+        # steps 5-40x slower in measurements here.
+        torch.set_num_threads(1)
+    if not torch_compile:  # megatron's jit_fuser would otherwise compile on CPU for tens of seconds
+        from torch import _dynamo
 
-            _dynamo.config.disable = True
-        device, device_name, backend = torch.device("cpu"), "cpu", "gloo"
+        _dynamo.config.disable = True
+
+
+def current_context() -> RunContext:
+    """Who this rank is, once the process group exists."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device, device_name = torch.device("cuda", torch.cuda.current_device()), torch.cuda.get_device_name()
+    else:
+        device, device_name = torch.device("cpu"), "cpu"
+    return RunContext(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device,
+                      device_name)
+
+
+def init_parallel_state(tp: int, pp: int) -> None:
+    """megatron's parallel_state for this (tp, pp) layout (replacing a previous one in the same process)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def init_distributed(tp: int, pp: int, torch_compile: bool = False) -> RunContext:
+    """Start the process group (NCCL on GPUs, gloo + CPU mode without) and parallel_state; returns who we are."""
+    _export_launcher_env()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        _prepare_cpu(torch_compile)
+        backend = "gloo"
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend=backend, init_method="env://")
-
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-    return RunContext(
-        rank=torch.distributed.get_rank(),
-        world_size=torch.distributed.get_world_size(),
-        local_rank=local_rank,
-        device=device,
-        device_name=device_name,
-    )
+    init_parallel_state(tp, pp)
+    return current_context()
 
 
 def shutdown_distributed() -> None:

@@ -132,7 +132,11 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from tqdm import tqdm
 
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
     megatron_muon.register()
+    torch.manual_seed(recipe.training.seed)
+    model_parallel_cuda_manual_seed(recipe.training.seed)
     output_dir = Path(recipe.output_dir)
     train = recipe.training
     on_gpu = ctx.device.type == "cuda"

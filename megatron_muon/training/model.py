@@ -109,6 +109,9 @@ def build_model(recipe: Recipe, config):
         vocab_size=model.vocab_size,
         max_seq_len=model.seq_length,
         backend=backend,
+        position_embedding_type=model.position_embedding,
+        share_embeddings_and_output_weights=not model.untie_embeddings,
+        rotary_base=model.rotary_base,
     )
 
 

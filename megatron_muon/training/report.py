@@ -53,6 +53,9 @@ def plot_run(records: Iterable[dict[str, Any]], path: Path, title: str) -> Path:
     fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot(xs, [r["loss"] for r in steps], color="tab:blue")
     ax_loss.set(xlabel="step", ylabel="loss", title="training loss")
+    losses = [r["loss"] for r in steps]
+    if losses and min(losses) > 0 and max(losses) / min(losses) > 20:
+        ax_loss.set_yscale("log")
     ax_loss.grid(alpha=0.3)
     if steps and all(r.get("mfu") is not None for r in steps):
         ax_speed.plot(xs, [100 * r["mfu"] for r in steps], label="MFU", color="tab:green")

@@ -1,23 +1,28 @@
 """GatedDeltaNet layer on CPU: equals the plain-torch reference (outputs and every gradient), TP=2 equals TP=1 (with
 and without sequence parallelism), packed sequences equal separate ones."""
 
+import contextlib
+
 import pytest
 import torch
 
 from tests.layers.gdn_cases import SEQ_LEN, build_gdn_layer, gdn_config, tp_slice
 
-# fp32 everywhere, compared like FLA's tests (rmse(diff) / rmse(ref)), with a bound far tighter than FLA's bf16 ones
-# (0.005 to 0.02): the chunked algorithm and the token-by-token oracle differ only by rounding (~1e-6 here), while a
+# fp32 everywhere, compared like FLA's tests (rmse(diff) / rmse(ref)), with bounds far tighter than FLA's bf16 ones
+# (0.005 to 0.02): the chunked algorithm and the token-by-token oracle differ only by rounding (measured <= 7e-7,
+# and <= 2e-4 for the decay-gate parameters, whose gradients are long sums with cancellation, like FLA's dg), while a
 # wrong gate, section order or head mapping gives an error ratio of order 1.
-MAX_ERROR_RATIO = 1e-4
+MAX_ERROR_RATIO = 1e-5
+GATE_GRAD_MAX_ERROR_RATIO = 1e-3
 
 
 def _close(actual, expected, what):
+    max_ratio = GATE_GRAD_MAX_ERROR_RATIO if ("A_log grad" in what or "dt_bias grad" in what) else MAX_ERROR_RATIO
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
     expected, actual = expected.double(), actual.double()
     ratio = ((actual - expected).square().mean().sqrt() / (expected.square().mean().sqrt() + 1e-30)).item()
-    assert ratio < MAX_ERROR_RATIO, f"{what}: error ratio {ratio:.2e} >= {MAX_ERROR_RATIO}"
+    assert ratio < max_ratio, f"{what}: error ratio {ratio:.2e} >= {max_ratio}"
 
 
 def _reference_case(rank, world_size, overrides, seq_len, batch):
@@ -60,7 +65,25 @@ def test_layer_matches_reference(rank_pool_1, overrides, seq_len, batch):
         _close(actual, expected, what)
 
 
+@contextlib.contextmanager
+def _cuda_allocations_on_cpu():
+    """CPU mode redirects `device="cuda"` through a TorchFunctionMode, which autograd does not apply inside
+    `Function.backward`; megatron's sequence-parallel all-gather in backward allocates on
+    `torch.cuda.current_device()`, so point that at the CPU while this test runs."""
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
+
+
 def _tp_case(rank, world_size, sequence_parallel):
+    with _cuda_allocations_on_cpu():
+        return _tp_case_body(rank, sequence_parallel)
+
+
+def _tp_case_body(rank, sequence_parallel):
     from megatron_muon.testing.parallel import init_model_parallel
 
     init_model_parallel(tp=1)

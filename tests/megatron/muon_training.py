@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatron_muon.testing.models import build_tiny_gpt, forward_backward, synthetic_batch, tiny_transformer_config
 from megatron_muon.testing.parallel import init_model_parallel, layout
+
+
+# A tiny GDN geometry: 2 key heads of 16, 4 value heads of 8, conv 4 (in_proj rows: q 32 | k 32 | v 32 | z 32 | 4 | 4).
+GDN_SIZES = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
+
+def _build_model(model_kind: str, precision: str):
+    """The tiny GPT, or a tiny "G*" hybrid (one GDN layer, one attention layer, each with an MLP)."""
+    dtype_flags = {"bf16": dict(bf16=True), "fp16": dict(fp16=True), "fp32": {}}[precision]
+    if model_kind == "gpt":
+        config = tiny_transformer_config(**dtype_flags)
+        return build_tiny_gpt(config), config
+    from megatron_muon.specs import build_hybrid_model
+    from megatron_muon.testing.models import SEQ_LENGTH, VOCAB_SIZE
+
+    config = tiny_transformer_config(**dtype_flags, **GDN_SIZES)
+    torch.manual_seed(1234)
+    model = build_hybrid_model(config, "G*", vocab_size=VOCAB_SIZE, max_seq_len=SEQ_LENGTH, backend="local")
+    return model, config
 
 
 def _wrap_for_training(model, config, precision: str, use_distributed_optimizer: bool = False):
@@ -42,8 +66,7 @@ def build_optimizer(model, name: str, precision: str, lr: float = 0.02, **muon_o
         initial_loss_scale=2.0**12,
         adam_beta1=0.9,
         adam_beta2=0.95,
-        muon_tp_mode="duplicated",
-        **muon_options,
+        **{"muon_tp_mode": "duplicated", **muon_options},
     )
     config.muon_ns_method = ns_method
     return get_megatron_optimizer(config, [model])
@@ -59,16 +82,41 @@ def _muon_members(optimizer):
 
 
 def train_tiny_gpt(
-    rank, world_size, tp: int, name: str, precision: str, steps: int, distributed_layout: bool = False, **muon_options
+    rank, world_size, tp: int, name: str, precision: str, steps: int, distributed_layout: bool = False,
+    model_kind: str = "gpt", layer_wise: bool = False, **muon_options
 ):
     """Train the tiny GPT `steps` steps; returns losses, optimizer types, and a TP-independent weight digest."""
+    with one_thread():
+        return _train_tiny_gpt(tp, name, precision, steps, distributed_layout, model_kind, layer_wise, **muon_options)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Tiny matmuls on a loaded 2-core machine stall on intra-op thread wake-ups; one thread is 10x faster."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _train_tiny_gpt(tp, name, precision, steps, distributed_layout, model_kind="gpt", layer_wise=False,
+                    **muon_options):
     import megatron_muon
+    from megatron_muon.megatron import optimizer_registry
 
     megatron_muon.register()
+    if layer_wise:  # dist_muon through megatron's LayerWiseDistributedOptimizer around our Muon, for this run only
+        saved_builder = optimizer_registry._dist_muon_builder
+        optimizer_registry.set_dist_muon_builder(optimizer_registry.build_dist_muon)
+        try:
+            return _train_tiny_gpt(tp, name, precision, steps, distributed_layout, model_kind, **muon_options)
+        finally:
+            optimizer_registry.set_dist_muon_builder(saved_builder)
     init_model_parallel(tp=tp)
-    dtype_flags = {"bf16": dict(bf16=True), "fp16": dict(fp16=True), "fp32": {}}[precision]
-    config = tiny_transformer_config(**dtype_flags)
-    model = _wrap_for_training(build_tiny_gpt(config), config, precision, distributed_layout)
+    model, config = _build_model(model_kind, precision)
+    model = _wrap_for_training(model, config, precision, distributed_layout)
     optimizer = build_optimizer(model, name, precision, **muon_options)
     losses, skipped = [], 0
     for step in range(steps):
@@ -77,7 +125,10 @@ def train_tiny_gpt(
         losses.append(forward_backward(model, [synthetic_batch(step % 4)]))
         ok, _, _ = optimizer.step()
         skipped += int(not ok)
+    muon = [m for m in _muon_members(optimizer) if hasattr(m, "_plan_cache")]
+    plan = muon[0]._plan_cache[1] if muon and muon[0]._plan_cache else None
     return {
+        "bucket_shapes": sorted(b.shape for b in plan.buckets) if plan else [],
         "losses": losses,
         "skipped": skipped,
         "types": sorted({type(m).__module__ + "." + type(m).__name__ for m in _muon_members(optimizer)}),
@@ -103,14 +154,32 @@ def _full_weight_digest(model) -> dict[str, float]:
     return digest
 
 
-def build_only(rank, world_size, name: str, precision: str):
-    """Build the optimizer chain only; return its member types."""
-    import megatron_muon
+def scheduled_steps(rank, world_size, steps: int = 4):
+    """Three short steps under megatron's OptimizerParamScheduler: the lr our Muon used vs the scheduler's."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    megatron_muon.register()
-    init_model_parallel(tp=1)
-    dtype_flags = {"bf16": dict(bf16=True), "fp16": dict(fp16=True), "fp32": {}}[precision]
-    config = tiny_transformer_config(**dtype_flags)
-    model = _wrap_for_training(build_tiny_gpt(config), config, precision)
-    optimizer = build_optimizer(model, name, precision)
-    return [type(m) for m in _muon_members(optimizer)]
+    from megatron_muon.optimizer import Muon
+
+    with one_thread():
+        import megatron_muon
+
+        megatron_muon.register()
+        init_model_parallel(tp=1)
+        model, config = _build_model("gpt", "bf16")
+        model = _wrap_for_training(model, config, "bf16")
+        optimizer = build_optimizer(model, "muon", "bf16", lr=0.01)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=0.01, min_lr=0.001, lr_warmup_steps=2, lr_decay_steps=steps,
+            lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=steps, wd_incr_style="constant",
+        )
+        muon = next(m for m in _muon_members(optimizer) if isinstance(m, Muon))
+        used, expected = [], []
+        for step in range(steps):
+            scheduler.step(1)
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            forward_backward(model, [synthetic_batch(step)])
+            optimizer.step()
+            used.append(muon.param_groups[0]["lr"])
+            expected.append(scheduler.get_lr(muon.param_groups[0]))
+        return used, expected

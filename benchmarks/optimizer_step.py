@@ -1,0 +1,172 @@
+"""Optimizer step time on the reference shape set (hybrid-1.5B): our Muon vs fused AdamW, torch.optim.Muon and
+megatron-core's TensorParallelMuon, all measured in one run on one GPU.
+
+Setup as Megatron trains in bf16: fp32 master weights with fp32 gradients (random, never zeros). Fused AdamW
+covers all 1.48B parameters; the Muon variants cover the 96 matrices (1.35B), and the "+ AdamW rest" rows add the
+fused AdamW step over embeddings, output layer and norms that a Muon training step also runs.
+
+    python benchmarks/optimizer_step.py --out benchmarks/results/optimizer_step.md
+    python benchmarks/optimizer_step.py --scale 32 --repeats 2   # CPU smoke test of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_muon.optimizer import Muon  # noqa: E402
+
+# (name, rows, cols, fused sections per group or None, count); hidden 2048, 24 layers "GGG*", SwiGLU 5632,
+# 16 heads / 4 KV groups of 128, GDN 6 heads (key 256, value 512).
+REFERENCE = [
+    ("gdn in_proj", 9228, 2048, (1536, 1536, 3072, 3072, 6, 6), 18),
+    ("gdn out_proj", 2048, 3072, None, 18),
+    ("attn qkv", 3072, 2048, (512, 128, 128), 6),
+    ("attn proj", 2048, 2048, None, 6),
+    ("fc1", 11264, 2048, None, 24),
+    ("fc2", 2048, 5632, None, 24),
+]
+VOCAB, HIDDEN, LAYERS = 32000, 2048, 24
+
+
+def reference_params(device, scale: int):
+    """Matrices (with megatron's fused-projection tags) and the non-matrix rest, fp32 with random fp32 grads."""
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def param(rows, cols):
+        p = torch.nn.Parameter(torch.randn(rows, cols, device=device, generator=generator) * 0.02)
+        p.grad = torch.randn(rows, cols, device=device, generator=generator) * 1e-3
+        return p
+
+    matrices = []
+    for _, rows, cols, sections, count in REFERENCE:
+        for _ in range(count):
+            p = param(rows // scale, cols // scale)
+            if sections is not None:
+                p.is_qkv, p.qkv_split_shapes = True, [max(1, s // scale) for s in sections]
+                if sum(p.qkv_split_shapes) * (p.shape[0] // sum(p.qkv_split_shapes)) != p.shape[0]:
+                    p.is_qkv = False
+            matrices.append(p)
+    rest = [param(VOCAB // scale, HIDDEN // scale), param(VOCAB // scale, HIDDEN // scale)]
+    rest += [param(1, HIDDEN // scale) for _ in range(2 * LAYERS + 1)]
+    return matrices, rest
+
+
+def timed(step, device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of `step()` after warm-up (CUDA events on GPU)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def make_variants(has_cuda: bool):
+    """name -> (which params, optimizer factory)."""
+    fused = dict(fused=True) if has_cuda else dict(foreach=True)
+    variants = {
+        "fused AdamW, all params": ("all", lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, **fused)),
+        "fused AdamW, non-matrix rest": ("rest", lambda ps: torch.optim.AdamW(ps, lr=1e-4, **fused)),
+        "torch.optim.Muon": ("matrices", lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.1)),
+        "ours (auto, MegaBatch, fused splits)": ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral")),
+        "ours (auto, MegaBatch, no splits)": (
+            "matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", split_fused=False)),
+        "ours (standard NS, MegaBatch, fused splits)": (
+            "matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", method="standard")),
+        "ours (auto, one NS per matrix, fused splits)": (
+            "matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", batched=False)),
+        "ours (auto, MegaBatch, fused splits, finite check off)": (
+            "matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", check_finite=False)),
+    }
+    try:
+        from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS, TensorParallelMuon
+
+        if HAVE_EMERGING_OPTIMIZERS:
+            variants["megatron TensorParallelMuon (split_qkv)"] = ("matrices", lambda ps: TensorParallelMuon(
+                ps, lr=0.02, split_qkv=True, is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
+                qkv_split_shapes=[512, 128, 128], coefficient_type="simple", scale_mode="spectral"))
+    except Exception as err:  # megatron-core is optional on the benchmark machine
+        print(f"megatron-core TensorParallelMuon unavailable: {err!r}")
+    return variants
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=int, default=1, help="divide every dimension (CPU smoke tests)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="markdown result file")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    matrices, rest = reference_params(device, args.scale)
+    groups = {"all": matrices + rest, "rest": rest, "matrices": matrices}
+    snapshot = [p.detach().clone() for p in matrices + rest]
+    numel = {k: sum(p.numel() for p in v) for k, v in groups.items()}
+    print(f"{len(matrices)} matrices, {numel['matrices'] / 1e9:.3f}B; all params {numel['all'] / 1e9:.3f}B", flush=True)
+
+    results = {}
+    for name, (which, factory) in make_variants(device.type == "cuda").items():
+        for p, saved in zip(matrices + rest, snapshot):
+            p.data.copy_(saved)
+        optimizer = factory(groups[which])
+        results[name] = timed(optimizer.step, device, args.warmup, args.repeats)
+        print(f"{name:58s} {results[name]:9.2f} ms", flush=True)
+        del optimizer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    adamw = results["fused AdamW, all params"]
+    rest_ms = results["fused AdamW, non-matrix rest"]
+    rows = [(name, ms, ms / adamw) for name, ms in results.items()]
+    for name, ms in results.items():
+        if name.startswith(("ours", "torch.optim.Muon", "megatron")):
+            rows.append((f"{name} + AdamW rest", ms + rest_ms, (ms + rest_ms) / adamw))
+    table = ["| optimizer step | ms | × fused AdamW (all params) |", "|---|---:|---:|"]
+    table += [f"| {name} | {ms:.2f} | {ratio:.2f} |" for name, ms, ratio in rows]
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
+    import triton
+
+    header = [
+        "# Optimizer step on the reference shape set (hybrid-1.5B)",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- device: {gpu}; torch {torch.__version__}, Triton {triton.__version__}",
+        f"- command: `python {' '.join(sys.argv)}`",
+        f"- {len(matrices)} matrices ({numel['matrices'] / 1e9:.3f}B params, scale 1/{args.scale}), "
+        f"all params {numel['all'] / 1e9:.3f}B; fp32 master weights and gradients; "
+        f"median of {args.repeats} after {args.warmup} warm-up steps",
+        "- ours: 5 quintic (3.4445, -4.775, 2.0315) steps, nesterov, spectral scale; fused QKV / GDN in_proj split "
+        "per section as megatron tags them; torch.optim.Muon: the same coefficients, unsplit",
+        "",
+    ]
+    text = "\n".join(header + table) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""`dist_muon` on the owner-centric engine: each matrix orthogonalized once per step, by a cost-balanced owner.
+
+megatron builds it like its plain `muon` (DDP all-reduces gradients, megatron's mixed-precision wrapper keeps
+the fp32 master weights, AdamW takes the non-matrix parameters); only the torch optimizer for the matrices is
+`OwnerMuon` instead of `Muon`. Momentum lives on owners only and is handed to checkpoints as parameter-shaped
+shards, so checkpoints of `muon` and `dist_muon` interchange and reshard to any tp/pp/dp layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+from megatron_muon.distributed.owner_muon import OwnerMuon
+from megatron_muon.megatron import optimizer_registry
+from megatron_muon.megatron.muon_config import muon_kwargs_from_config
+
+
+def owner_muon_kwargs(config, model_chunks, pg_collection) -> dict:
+    """`OwnerMuon` arguments: the `Muon` ones plus this stage's TP and DP (with context parallel) groups."""
+    kwargs = muon_kwargs_from_config(config, model_chunks, pg_collection)
+    kwargs.pop("tp_group_fn", None)
+    kwargs["tp_mode"] = "duplicated"  # owners always orthogonalize whole matrices: TP-invariant by construction
+    if pg_collection is not None:
+        kwargs.update(
+            tp_group=getattr(pg_collection, "tp", None),
+            dp_group=getattr(pg_collection, "dp_cp", None),
+            expert_tp_group=getattr(pg_collection, "expt_tp", None),
+            expert_dp_group=getattr(pg_collection, "expt_dp", None),
+        )
+    return kwargs
+
+
+@contextlib.contextmanager
+def _muon_entry_builds_owner_muon():
+    from megatron.core.optimizer import emerging_optimizers as mcore_registry
+
+    registry = mcore_registry._EMERGING_OPTIMIZERS
+    saved = registry[optimizer_registry.MUON_NAME]
+    registry[optimizer_registry.MUON_NAME] = mcore_registry.EmergingOptimizerEntry(
+        optimizer_cls=OwnerMuon,
+        init_state_fn=optimizer_registry.init_muon_state,
+        config_to_kwargs=owner_muon_kwargs,
+        default_param_overrides=saved.default_param_overrides,
+    )
+    try:
+        yield
+    finally:
+        registry[optimizer_registry.MUON_NAME] = saved
+
+
+def build_owner_dist_muon(config, model_chunks, config_overrides, pg_collection):
+    """The `dist_muon` builder handed to `optimizer_registry.set_dist_muon_builder`."""
+    for chunk in model_chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.use_distributed_optimizer:
+            raise ValueError(
+                "dist_muon (owner-centric) reads whole data-parallel-reduced gradients, but DDP was built with "
+                "use_distributed_optimizer=True (reduce-scattered gradient shards). Build DDP with "
+                "use_distributed_optimizer=False (drop --use-distributed-optimizer) for dist_muon"
+            )
+    if config.overlap_param_gather_with_optimizer_step:
+        raise ValueError("dist_muon does not overlap a parameter all-gather with the optimizer step; set "
+                         "overlap_param_gather_with_optimizer_step=False")
+    muon_config = copy.copy(config)
+    muon_config.optimizer = optimizer_registry.MUON_NAME
+    muon_config.use_layer_wise_distributed_optimizer = False
+    with _muon_entry_builds_owner_muon():
+        return optimizer_registry._upstream_build(muon_config, model_chunks, config_overrides, pg_collection)
+
+
+def register_dist_muon() -> None:
+    """Make `dist_muon` build the owner-centric engine (idempotent)."""
+    optimizer_registry.set_dist_muon_builder(build_owner_dist_muon)
