@@ -197,7 +197,7 @@ def versions() -> dict[str, str]:
     return found
 
 
-def write_report(path, rows, meta, args):
+def write_report(path, rows, meta, args, echo=True):
     fla_times = [r["ms"] for r in rows if r["name"].startswith("fla") and "ms" in r]
     best_fla = min(fla_times) if fla_times else None
     lines = [
@@ -228,7 +228,8 @@ def write_report(path, rows, meta, args):
                       f"({speedup:.3f}x, {ours.get('breaks')} graph breaks)."]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if echo:
+        print("\n".join(lines))
 
 
 def main() -> None:
@@ -254,7 +255,13 @@ def main() -> None:
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), versions=versions(), sizes=sizes,
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 command="python " + " ".join(sys.argv))
+    meta["backend"] = selected_backend() if device == "cuda" else "torch (cpu)"
     rows = []
+
+    def record(row):  # rewrite the report after every variant so a run cut short still leaves its numbers
+        rows.append(row)
+        write_report(args.out, rows, meta, args, echo=False)
+
     ours, shipped_out_proj = build_ours(config)
     if shipped_out_proj is not type(ours.out_proj):
         shipped = build_ours(config)[0]
@@ -262,10 +269,9 @@ def main() -> None:
         meta["shipped_breaks"] = shipped_graph_breaks(shipped, x)
         del shipped
     if not any(s.startswith("ours") for s in skip):
-        rows.append(run_variant("ours eager", lambda: fwd_bwd(ours, x, grad, True), device, args))
-        rows.append(run_variant("ours compiled", lambda: fwd_bwd(torch.compile(ours), x, grad, True), device, args,
+        record(run_variant("ours eager", lambda: fwd_bwd(ours, x, grad, True), device, args))
+        record(run_variant("ours compiled", lambda: fwd_bwd(torch.compile(ours), x, grad, True), device, args,
                                 compiled=True))
-    meta["backend"] = selected_backend() if device == "cuda" else "torch (cpu)"
     if "fla" not in skip:
         fla = None
 
@@ -274,8 +280,8 @@ def main() -> None:
             fla = fla or build_fla(sizes, device)
             return fwd_bwd(torch.compile(fla) if compiled else fla, x, grad, False)
 
-        rows.append(run_variant("fla eager", lambda: make_fla(False), device, args))
-        rows.append(run_variant("fla compiled", lambda: make_fla(True), device, args, compiled=True))
+        record(run_variant("fla eager", lambda: make_fla(False), device, args))
+        record(run_variant("fla compiled", lambda: make_fla(True), device, args, compiled=True))
     if "megatron" not in skip:
         reference = None
 
@@ -284,7 +290,7 @@ def main() -> None:
             reference = build_megatron_core(config)
             return fwd_bwd(reference, x, grad, True)
 
-        rows.append(run_variant("megatron-core eager (local)", make_megatron, device, args))
+        record(run_variant("megatron-core eager (local)", make_megatron, device, args))
         if reference is not None:
             try:
                 meta["agreement"] = compare_to_megatron_core(ours, reference, x.detach())

@@ -145,7 +145,6 @@ class GatedDeltaNet(MegatronModule):
             name=f"{name}.in_proj" if name else None,
         )
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        local_conv = shape.conv_dim // self.tp_size
         self.conv1d = DepthwiseConvParameters(
             shape.conv_dim // self.tp_size, shape.conv_kernel, conv_bias, device=device, dtype=config.params_dtype
         )
@@ -188,7 +187,7 @@ class GatedDeltaNet(MegatronModule):
         """
         shape, conv, rank, tp = self.shape, self.conv1d, self.tp_rank, self.tp_size
         if self.config.use_cpu_initialization:
-            full_in_proj = torch.empty(shape.in_proj_dim, self.config.hidden_size, dtype=self.in_proj.weight.dtype)
+            full_in_proj = torch.empty(shape.in_proj_dim, self.config.hidden_size)  # fp32, like megatron's CPU init
             self.config.init_method(full_in_proj)
             self.in_proj.weight.copy_(_rank_slice_of_sections(full_in_proj, shape.in_proj_sections, rank, tp))
         full_weight = torch.empty(shape.conv_dim, 1, shape.conv_kernel)
@@ -250,8 +249,9 @@ class GatedDeltaNet(MegatronModule):
             raise ValueError(f"packed (thd) sequences need micro-batch size 1, got {hidden_states.shape[1]}.")
         if not torch.compiler.is_compiling():
             total = hidden_states.shape[0] * (self.tp_size if self.config.sequence_parallel else 1)
-            if int(cu_seqlens[-1]) != total:
-                raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the packed sequence has {total} tokens.")
+            end = int(cu_seqlens[-1])
+            if end != total:
+                raise ValueError(f"cu_seqlens ends at {end} but the packed sequence has {total} tokens.")
         return cu_seqlens
 
     def in_proj_sections(self) -> tuple[int, ...]:

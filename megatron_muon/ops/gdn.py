@@ -50,8 +50,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     batch, seq_len, heads, _ = q.shape
     if v.dim() != 4 or v.shape[:2] != (batch, seq_len) or v.shape[2] % heads:
         raise ValueError(
-            f"chunk_gated_delta_rule: v must be [B, T, HV, V] (head_first=False) with HV a multiple of the {heads} q/k heads; got v "
-            f"{tuple(v.shape)} for q {tuple(q.shape)}."
+            f"chunk_gated_delta_rule: v must be [B, T, HV, V] (head_first=False) with HV a multiple of the {heads} "
+            f"q/k heads; got v {tuple(v.shape)} for q {tuple(q.shape)}."
         )
     if g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
         raise ValueError(

@@ -67,6 +67,14 @@ def resolve_pattern(config, pattern: str) -> str:
     return check_pattern(pattern) if freq is None else pattern_from_linear_attention_freq(freq, config.num_layers)
 
 
+def use_per_layer_checkpoint_keys(config, symbols) -> None:
+    """Mixed layer types have different parameters, so megatron cannot stack them into one [num_layers, ...]
+    tensor per name: switch its block checkpoint to per-layer keys ("layers.<i>.…", as it does itself for
+    `linear_attention_freq`)."""
+    if len(set(symbols)) > 1:
+        config.hetereogenous_dist_checkpoint = True
+
+
 def stage_layer_ids(config, vp_stage=None, pp_rank=None) -> list[int]:
     """Global 0-based ids of the layers this pipeline stage builds (megatron's own offset rules)."""
     layout = getattr(config, "pipeline_model_parallel_layout", None)
@@ -84,6 +92,7 @@ def hybrid_block_spec(
 ) -> TransformerBlockSubmodules:
     """This pipeline stage's layer specs for `pattern`, plus the final norm."""
     symbols = layer_symbols(resolve_pattern(config, pattern), config.num_layers)
+    use_per_layer_checkpoint_keys(config, symbols)
     by_symbol = {symbol: hybrid_layer_spec(symbol, backend, qk_layernorm) for symbol in set(symbols)}
     layer_specs = [by_symbol[symbols[i]] for i in stage_layer_ids(config, vp_stage, pp_rank)]
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=final_norm(backend))
@@ -105,7 +114,9 @@ class HybridPatternLayer(BaseTransformerLayer):
                 pg_collection=None, **layer_kwargs):
         pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None else None
         global_index = layer_number - 1 + get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        symbol = layer_symbols(resolve_pattern(config, submodules.pattern), config.num_layers)[global_index]
+        symbols = layer_symbols(resolve_pattern(config, submodules.pattern), config.num_layers)
+        use_per_layer_checkpoint_keys(config, symbols)  # read later by TransformerBlock.sharded_state_dict
+        symbol = symbols[global_index]
         return build_module(
             submodules.layer_specs[symbol], config=config, layer_number=layer_number, vp_stage=vp_stage,
             pg_collection=pg_collection, **layer_kwargs,

@@ -64,7 +64,7 @@ class RankPool:
         self.broken = False
         ctx = mp.get_context("spawn")
         port = free_port()
-        threads = max(1, (os.cpu_count() or 1) // world_size)
+        threads = 1  # tiny test models: more intra-op threads only add contention between ranks
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()

@@ -68,11 +68,16 @@ def _optimizer_metadata(use_distributed_optimizer: bool) -> dict:
     return {"distrib_optim_sharding_type": "dp_reshardable"} if use_distributed_optimizer else {}
 
 
+# Hybrid layers differ in kind (GDN vs attention), so their tensors cannot be stacked along one layer axis:
+# every layer is stored under its own global index instead (valid for homogeneous models too).
+MODEL_METADATA = {"non_homogeneous_layers": True}
+
+
 def _sharded_state(model, optimizer, scheduler, step: int, use_distributed_optimizer: bool, is_loading: bool,
                    with_rng: bool, extra: dict | None = None) -> dict:
     from megatron.core.utils import unwrap_model
 
-    model_state = unwrap_model(model).sharded_state_dict()
+    model_state = unwrap_model(model).sharded_state_dict(metadata=dict(MODEL_METADATA))
     state = {
         "model": model_state,
         "optimizer": optimizer.sharded_state_dict(
@@ -99,7 +104,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, scheduler, us
         target.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
     state = _sharded_state(model, optimizer, scheduler, step, use_distributed_optimizer, False, True, extra)
-    dist_checkpointing.save(state, str(target), content_metadata=_optimizer_metadata(use_distributed_optimizer))
+    dist_checkpointing.save(state, str(target), content_metadata={**MODEL_METADATA, **_optimizer_metadata(use_distributed_optimizer)})
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         (Path(root) / TRACKER_FILE).write_text(str(step))

@@ -94,6 +94,15 @@ def _global_mean_loss(losses: list[dict]) -> float:
     return float(pair[0] / pair[1])
 
 
+def optimizer_classes(optimizer) -> list[str]:
+    """Qualified class names of the torch optimizers inside megatron's wrappers (what really steps the params)."""
+    names = []
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", part)
+        names.append(f"{type(inner).__module__}.{type(inner).__qualname__}")
+    return names
+
+
 def _memory_gib() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
@@ -153,7 +162,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
 
     start_step = 0
     if recipe.checkpoint.load:
-        start_step = load_checkpoint(recipe.checkpoint.load, [model], optimizer, scheduler,
+        start_step = load_checkpoint(recipe.checkpoint.load, model, optimizer, scheduler,
                                      recipe.parallel.use_distributed_optimizer)
 
     dp = data_parallel_size(recipe, ctx.world_size)
@@ -171,6 +180,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             "torch": torch.__version__, "start_step": start_step, "flops_per_token": mfu_of.flops_per_token,
             "all_sdpa_flops_per_token": mfu_of.all_attention_flops_per_token, "peak_tflops_per_gpu": peak,
             "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
+            "optimizer_classes": optimizer_classes(optimizer),
         })
     show_bar = ctx.is_main and recipe.logging.progress_bar
     bar = tqdm(total=train.train_iters, initial=start_step, disable=None if show_bar else True,  # None: tty only
@@ -218,12 +228,12 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
                 bar.write(format_step(record, train.train_iters))
             window = _Window()
         if recipe.checkpoint.save and recipe.checkpoint.save_interval and done % recipe.checkpoint.save_interval == 0:
-            save_checkpoint(recipe.checkpoint.save, done, [model], optimizer, scheduler,
+            save_checkpoint(recipe.checkpoint.save, done, model, optimizer, scheduler,
                             recipe.parallel.use_distributed_optimizer)
     bar.close()
     if recipe.checkpoint.save and (not recipe.checkpoint.save_interval
                                    or train.train_iters % recipe.checkpoint.save_interval):
-        save_checkpoint(recipe.checkpoint.save, train.train_iters, [model], optimizer, scheduler,
+        save_checkpoint(recipe.checkpoint.save, train.train_iters, model, optimizer, scheduler,
                         recipe.parallel.use_distributed_optimizer)
     summary = {"first_loss": first_loss, "last_loss": last_loss, "steps": train.train_iters - start_step,
                "seconds": time.perf_counter() - run_start, "log": str(output_dir / LOG_FILE)}

@@ -70,3 +70,102 @@ def train(rank, world_size, tp: int, pp: int, name: str, precision: str, model: 
             "units": sum(len(e.owners) for e in engines),
             "owners": [sorted(set(e.owners)) for e in engines],
         }
+
+
+def _muon_piece_count(optimizer) -> int:
+    """Matrices megatron_muon.optimizer.Muon orthogonalizes per step on this rank (its own bucket plan)."""
+    from megatron_muon.optimizer import Muon
+
+    members = []
+    stack = [optimizer]
+    while stack:
+        item = stack.pop()
+        stack.extend(getattr(item, "chained_optimizers", []) or [])
+        inner = getattr(item, "optimizer", None)
+        if isinstance(inner, Muon):
+            members.append(inner)
+    total = 0
+    for muon in members:
+        plan = muon._plan_cache[1]
+        for bucket in plan.buckets:
+            for index, piece in bucket.items:
+                total += plan.layouts[index].num_experts
+    return total
+
+
+def train_pair(rank, world_size, tp: int, pp: int, precision: str, model: str, steps: int):
+    """dist_muon and muon from the same initial weights on the same layout and batches."""
+    from megatron.core import parallel_state as ps
+
+    results = {}
+    with one_thread():
+        for name in ("dist_muon", "muon"):
+            model_, optimizer = build(tp, pp, name, precision, model)
+            losses = [train_step(model_, optimizer, step) for step in range(steps)]
+            engines = owner_engines(optimizer)
+            results[name] = {
+                "losses": losses,
+                "params": full_parameters(model_),
+                "orthogonalized": sum(e.orthogonalized_matrices for e in engines),
+            }
+            if name == "muon":  # one replica of each stage counts its matrices once
+                first_replica = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+                results["matrices_per_step"] = _muon_piece_count(optimizer) if first_replica else 0
+    results["layout"] = layout()
+    return results
+
+
+def checkpoint_then_continue(rank, world_size, tp: int, directory: str, save_at: int, total: int,
+                             load: bool, drop_momentum: bool = False):
+    """Either train `save_at` steps, save, and keep going to `total`; or load the checkpoint and train the rest."""
+    from megatron_muon.megatron.checkpointing import load_checkpoint, save_checkpoint
+
+    with one_thread():
+        model_, optimizer = build(tp, 1, "dist_muon", "fp32", "gpt")
+        if load:
+            load_checkpoint(model_, optimizer, directory)
+            if drop_momentum:
+                for engine in owner_engines(optimizer):
+                    for state in engine.state.values():
+                        state.pop("momentum_buffer", None)
+                    engine._loaded_momentum = False
+            steps = range(save_at, total)
+        else:
+            for step in range(save_at):
+                train_step(model_, optimizer, step)
+            save_checkpoint(model_, optimizer, directory)
+            steps = range(save_at, total)
+        losses = [train_step(model_, optimizer, step) for step in steps]
+        return {"losses": losses, "params": full_parameters(model_), "layout": layout()}
+
+
+def interrupted_save(rank, world_size, directory: str):
+    """Train a step, then fail inside the save (after the momentum export, mid-write); report what is on disk."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_muon.megatron import checkpointing
+
+    with one_thread():
+        model_, optimizer = build(1, 1, "dist_muon", "fp32", "gpt")
+        train_step(model_, optimizer, 0)
+        real_save = dist_checkpointing.save
+
+        def failing_save(state, path, *args, **kwargs):
+            real_save(state, path, *args, **kwargs)  # everything written...
+            raise OSError("simulated failure while finalizing the checkpoint")
+
+        dist_checkpointing.save = failing_save
+        try:
+            checkpointing.save_checkpoint(model_, optimizer, directory)
+            raised = False
+        except OSError:
+            raised = True
+        finally:
+            dist_checkpointing.save = real_save
+        torch.distributed.barrier()
+        try:
+            checkpointing.load_checkpoint(model_, optimizer, directory)
+            loadable = True
+        except ValueError:
+            loadable = False
+        return {"raised": raised, "loadable": loadable, "complete": checkpointing.is_complete_checkpoint(directory)}

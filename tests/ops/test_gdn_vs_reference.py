@@ -109,7 +109,8 @@ def test_causal_conv1d_varlen_never_crosses_a_sequence_start():
     ref = torch.cat(pieces, 1)
     dy = torch.randn_like(ref)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-    for got, expected in zip(torch.autograd.grad(y, (x, weight, bias), dy), torch.autograd.grad(ref, (x, weight, bias), dy)):
+    params = (x, weight, bias)
+    for got, expected in zip(torch.autograd.grad(y, params, dy), torch.autograd.grad(ref, params, dy)):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -85,7 +85,8 @@ def test_te_hybrid_stack_spec_by_construction():
     assert gdn.module is GatedDeltaNet and gdn.submodules.in_proj is megatron_te.TELayerNormColumnParallelLinear
     attention = stack.submodules.attention_layer.submodules.self_attention.submodules
     assert attention.core_attention is TEFusedDotProductAttention
-    assert stack.submodules.mlp_layer.submodules.mlp.keywords["submodules"].linear_fc2 is megatron_te.TERowParallelLinear
+    mlp = stack.submodules.mlp_layer.submodules.mlp.keywords["submodules"]
+    assert mlp.linear_fc2 is megatron_te.TERowParallelLinear
 
 
 def test_spec_names_resolve_like_megatron_lm():
@@ -110,7 +111,8 @@ def _build_both_gpt_paths(rank, world_size, pp):
     torch.manual_seed(0)
     built = build_hybrid_model(config, "GGG*", vocab_size=128, max_seq_len=64)
     torch.manual_seed(0)
-    via_spec = GPTModel(config=config, transformer_layer_spec=gdn_hybrid_local, vocab_size=128,
+    spec_config = gdn_config(num_layers=4)
+    via_spec = GPTModel(config=spec_config, transformer_layer_spec=gdn_hybrid_local, vocab_size=128,
                         max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                         post_process=ps.is_pipeline_last_stage(), position_embedding_type="rope")
     frequency = GPTModel(config=gdn_config(num_layers=4, linear_attention_freq=2),
@@ -127,7 +129,9 @@ def _build_both_gpt_paths(rank, world_size, pp):
     core_attention = [type(layer.self_attention.core_attention) for layer in built.decoder.layers
                       if isinstance(layer.self_attention, SelfAttention)]
     return {"built": mixers(built), "via_spec": mixers(via_spec), "frequency": mixers(frequency),
-            "same_weights": same, "core_attention": core_attention}
+            "same_weights": same, "core_attention": core_attention,
+            "per_layer_checkpoint_keys": (config.hetereogenous_dist_checkpoint,
+                                          spec_config.hetereogenous_dist_checkpoint)}
 
 
 def test_spec_path_equals_builder_and_follows_pattern(rank_pool_1):
@@ -136,6 +140,7 @@ def test_spec_path_equals_builder_and_follows_pattern(rank_pool_1):
     assert result["frequency"] == list("GSGS")  # --linear-attention-freq 2 overrides the spec's pattern
     assert result["same_weights"]
     assert result["core_attention"] == [SDPADotProductAttention]
+    assert result["per_layer_checkpoint_keys"] == (True, True)  # mixed layers cannot share stacked checkpoint keys
 
 
 def test_pipeline_stages_take_their_part_of_the_pattern(rank_pool_2):
@@ -166,7 +171,7 @@ def _hybrid_model_path(rank, world_size):
     tokens = torch.randint(0, 128, (2, 32))
     loss = model(tokens, torch.arange(32).expand(2, -1), None, labels=tokens).mean()
     loss.backward()
-    layers = [type(layer.self_attention).__name__ if hasattr(layer, "self_attention") else type(layer).__name__
+    layers = [type(layer).__name__ if type(layer).__name__ == "MLPLayer" else type(layer.self_attention).__name__
               for layer in model.decoder.layers]
     grads_ok = all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     return layers, type(model.decoder.final_norm).__name__, float(loss), grads_ok
@@ -175,6 +180,6 @@ def _hybrid_model_path(rank, world_size):
 def test_hybrid_model_path_runs_on_cpu(rank_pool_1):
     layers, final_norm, loss, grads_ok = rank_pool_1.run(_hybrid_model_path)[0]
     assert layers == ["GatedDeltaNet", "MLPLayer"] * 3 + ["SelfAttention", "MLPLayer"]
-    assert final_norm == "WrappedTorchNorm"
+    assert final_norm == "RMSNorm"  # torch.nn.RMSNorm from WrappedTorchNorm, not TE's
     assert loss == pytest.approx(torch.log(torch.tensor(128.0)).item(), rel=0.1)  # untrained: ~uniform
     assert grads_ok

@@ -1,0 +1,53 @@
+"""`megatron-muon pretrain` end to end under torchrun on 2 gloo ranks: 30 steps with Muon and with AdamW."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_muon.training.distributed import free_port
+from megatron_muon.training.report import read_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = [
+    "training.train_iters=30", "training.micro_batch_size=2", "training.global_batch_size=4",
+    "model.seq_length=64", "optimizer.lr_warmup_iters=3", "logging.log_interval=10",
+]
+
+
+def _torchrun(args, tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "-m", "megatron_muon.cli", "pretrain", *args]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "optimizer, layout, lr",
+    [("muon", "parallel.tensor_model_parallel_size=1", "5e-3"), ("adam", "parallel.tensor_model_parallel_size=2", "3e-3")],
+)
+def test_pretrain_30_steps_on_two_ranks(tmp_path, optimizer, layout, lr):
+    out = tmp_path / "run"
+    sets = [f"--set={item}" for item in TINY + [layout, f"optimizer.name={optimizer}", f"optimizer.lr={lr}",
+                                                 "metrics.peak_tflops=1.0"]]
+    result = _torchrun(["--recipe", "tiny-cpu", "--output-dir", str(out), *sets], tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = read_jsonl(out / "train_log.jsonl")
+    start, steps, end = records[0], [r for r in records if r["event"] == "step"], records[-1]
+    assert start["world_size"] == 2 and start["recipe"]["optimizer"]["name"] == optimizer
+    matrix_optimizer = "megatron_muon.optimizer.muon.Muon" if optimizer == "muon" else "torch.optim.adam"
+    assert any(name.startswith(matrix_optimizer) for name in start["optimizer_classes"]), start["optimizer_classes"]
+    assert [r["step"] for r in steps] == [10, 20, 30] and end["event"] == "end"
+    assert steps[-1]["loss"] < 0.7 * steps[0]["loss"], [r["loss"] for r in steps]
+    for r in steps:
+        # The logged MFU is FLOPs/token x tokens/s / (peak x GPUs), with the 1 TFLOP/s peak given above.
+        expected = start["flops_per_token"] * r["tokens_per_s"] / (1e12 * 2)
+        assert r["mfu"] == pytest.approx(expected, rel=1e-9)
+        all_sdpa = start["all_sdpa_flops_per_token"] * r["tokens_per_s"] / (1e12 * 2)
+        assert r["mfu_all_sdpa"] == pytest.approx(all_sdpa, rel=1e-9)
+        assert 0 < r["optimizer_share"] < 1 and r["memory_gib"] > 0
+    assert (out / "loss_mfu.png").stat().st_size > 10_000
+    assert "done: loss" in result.stdout
