@@ -12,6 +12,7 @@ profiles a call and classifies the kernels it saw.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -143,10 +145,12 @@ class SDPADotProductAttention(MegatronModule):
             value = value.repeat_interleave(self.heads_per_group, dim=2)
         seq, batch = query.shape[0], query.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
-        with sdpa_kernel(_CUDNN_ONLY if query.is_cuda else _MATH_ONLY):
+        dropout_p = self.dropout_p if self.training else 0.0
+        # Like megatron's DotProductAttention: dropout on TP-split heads draws from the model-parallel RNG stream.
+        rng = get_cuda_rng_tracker().fork() if dropout_p > 0 and not self.config.sequence_parallel else nullcontext()
+        with rng, sdpa_kernel(_CUDNN_ONLY if query.is_cuda else _MATH_ONLY):
             out = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
-                is_causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale,
+                q, k, v, dropout_p=dropout_p, is_causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale
             )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
+from megatron_muon.layers.attention import TE_INSTALL_HINT
 from megatron_muon.specs.layer_specs import (
     ATTENTION_SYMBOL,
     GDN_SYMBOL,
@@ -104,6 +106,7 @@ class HybridPatternSubmodules:
 
     pattern: str = DEFAULT_PATTERN
     layer_specs: dict = field(default_factory=dict)
+    backend: str = "local"
 
 
 class HybridPatternLayer(BaseTransformerLayer):
@@ -112,6 +115,8 @@ class HybridPatternLayer(BaseTransformerLayer):
 
     def __new__(cls, config, submodules: HybridPatternSubmodules, layer_number: int = 1, vp_stage=None,
                 pg_collection=None, **layer_kwargs):
+        if submodules.backend == "te" and not HAVE_TE:
+            raise ImportError(TE_INSTALL_HINT)
         pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None else None
         global_index = layer_number - 1 + get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
         symbols = layer_symbols(resolve_pattern(config, submodules.pattern), config.num_layers)
@@ -132,5 +137,6 @@ def hybrid_pattern_layer_spec(pattern: str = DEFAULT_PATTERN, backend: str = "lo
         submodules=HybridPatternSubmodules(
             pattern=check_pattern(pattern),
             layer_specs={symbol: hybrid_layer_spec(symbol, backend, qk_layernorm) for symbol in MIXER_SYMBOLS},
+            backend=backend,
         ),
     )

@@ -68,6 +68,7 @@ def load_raw(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
             base_path = resolve_recipe_path(str(base_name))
         base = load_raw(base_path, _chain + (path.resolve(),))
         base.pop("description", None)
+        base.pop("name", None)
         raw = deep_merge(base, raw)
     raw.setdefault("name", path.stem)
     return raw

@@ -149,6 +149,18 @@ def test_pipeline_stages_take_their_part_of_the_pattern(rank_pool_2):
     assert [stage["via_spec"] for stage in stages] == [list("GG"), list("GS")]
 
 
+@pytest.mark.skipif(megatron_te.HAVE_TE, reason="checks the message shown when Transformer Engine is missing")
+def test_te_paths_without_te_say_what_to_install():
+    from types import SimpleNamespace
+
+    from megatron_muon.specs import build_hybrid_model
+
+    with pytest.raises(ImportError, match="pip install"):
+        build_hybrid_model(SimpleNamespace(num_layers=4), backend="te")
+    with pytest.raises(ImportError, match="pip install"):
+        HybridPatternLayer(SimpleNamespace(num_layers=4), gdn_hybrid_te.submodules)
+
+
 def test_block_spec_rejects_unknown_backend():
     from types import SimpleNamespace
 
