@@ -130,7 +130,9 @@ class _NullEvent:
 
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
-    cuda.current_device = lambda: 0
+    # "cpu" rather than 0: `device=torch.cuda.current_device()` then allocates on CPU even where the function mode
+    # is not active (autograd backward of custom Functions).
+    cuda.current_device = lambda: "cpu"
     cuda.set_device = lambda *a, **k: None
     cuda.synchronize = lambda *a, **k: None
     cuda.current_stream = lambda *a, **k: _NullStream()

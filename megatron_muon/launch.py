@@ -34,6 +34,22 @@ def _enter_cpu_mode() -> None:
     _dynamo.config.disable = True  # megatron's jit_fuser would compile for tens of seconds on CPU
 
 
+def _use_prebuilt_dataset_helpers() -> None:
+    """The megatron-core wheel ships its dataset index helpers compiled but without their Makefile, and Megatron-LM's
+    initialization runs `make` on them, which then fails; when the compiled module imports, skip the rebuild."""
+    from pathlib import Path as _Path
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    if (_Path(dataset_utils.__file__).parent / "Makefile").is_file():
+        return  # a source checkout: let Megatron-LM build as usual
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    dataset_utils.compile_helpers = lambda: None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -59,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     import megatron_muon
 
     megatron_muon.register()
+    _use_prebuilt_dataset_helpers()
     script_dir = str(script.resolve().parent)
     if script_dir not in sys.path:
         sys.path.insert(0, script_dir)  # what `python script.py` does: its helpers import as top-level modules

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--world-size", type=int, default=None,
                        help="check the layout for this many ranks (default: tp x pp x dp of the recipe, else 1)")
     commands.add_parser("recipes", help="list the available recipes")
+    report = commands.add_parser("report", help="recompute a run's MFU from its JSONL log and compare")
+    report.add_argument("log", help="train_log.jsonl written by pretrain")
     return parser
 
 
@@ -125,6 +127,24 @@ def _pretrain_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_command(log: str) -> int:
+    from megatron_muon.training.report import read_jsonl, recheck_mfu
+
+    rows = recheck_mfu(read_jsonl(log))
+    print(f"{'step':>6} {'tokens/s':>12} {'MFU logged':>11} {'MFU by hand':>12} {'all-SDPA logged':>16} "
+          f"{'all-SDPA by hand':>17}")
+
+    def pct(value):
+        return "n/a" if value is None else f"{100 * value:.2f}%"
+
+    for r in rows:
+        print(f"{r['step']:>6} {r['tokens_per_s']:>12,.0f} {pct(r['mfu_logged']):>11} {pct(r['mfu_by_hand']):>12} "
+              f"{pct(r['mfu_all_sdpa_logged']):>16} {pct(r['mfu_all_sdpa_by_hand']):>17}")
+    if rows:
+        print(f"FLOPs/token (fwd+bwd, from the recipe): {rows[0]['flops_per_token']:.4e}")
+    return 0
+
+
 def _quiet_megatron() -> None:
     """megatron-core announces fallbacks and deprecations at import and build time; the CLI's own lines say what
     ran, so keep the console to errors from megatron."""
@@ -136,6 +156,8 @@ def _quiet_megatron() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_megatron()
+    if args.command == "report":
+        return _report_command(args.log)
     if args.command == "recipes":
         for name, path in available_recipes().items():
             print(f"{name:24s} {path}")

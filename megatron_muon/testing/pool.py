@@ -50,7 +50,19 @@ def _worker_main(rank: int, world_size: int, port: int, conn, parent_sys_path: l
             conn.send(("ok", fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # report everything, the pool stays usable
             conn.send(("error", traceback.format_exc()))
-    dist.destroy_process_group()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Leave at once: stop helper processes megatron started (dist_checkpointing's writer queue manager) and skip
+    interpreter teardown, which would otherwise wait on them and on gloo's shutdown."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class RankPool:

@@ -27,8 +27,11 @@ def optimizer_config(recipe: Recipe):
     from megatron.core.optimizer import OptimizerConfig
 
     opt, precision = recipe.optimizer, recipe.training.precision
+    # As Megatron-LM does: `dist_X` is X inside megatron's layer-wise distributed optimizer.
+    layer_wise = opt.name.startswith("dist_")
     return OptimizerConfig(
-        optimizer=opt.name,
+        optimizer=opt.name.removeprefix("dist_"),
+        use_layer_wise_distributed_optimizer=layer_wise,
         lr=opt.lr,
         min_lr=opt.min_lr,
         weight_decay=opt.weight_decay,
@@ -47,7 +50,7 @@ def optimizer_config(recipe: Recipe):
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         params_dtype=DTYPES[precision],
-        use_distributed_optimizer=recipe.parallel.use_distributed_optimizer,
+        use_distributed_optimizer=recipe.parallel.use_distributed_optimizer and not layer_wise,
     )
 
 
@@ -116,6 +119,26 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def write(self, line: str) -> None:
+        print(line, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(show: bool, total: int, initial: int):
+    """tqdm on a terminal; plain lines elsewhere (and where tqdm is not installed)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, initial=initial, disable=None if show else True, unit="step", dynamic_ncols=True)
+
+
 @dataclass
 class _Window:
     """Accumulates steps between two log lines."""
@@ -139,7 +162,6 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from tqdm import tqdm
 
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -182,9 +204,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
             "optimizer_classes": optimizer_classes(optimizer),
         })
-    show_bar = ctx.is_main and recipe.logging.progress_bar
-    bar = tqdm(total=train.train_iters, initial=start_step, disable=None if show_bar else True,  # None: tty only
-               unit="step", dynamic_ncols=True)
+    bar = _progress_bar(ctx.is_main and recipe.logging.progress_bar, train.train_iters, start_step)
     forward_backward = get_forward_backward_func()
     window, first_loss, last_loss, run_start = _Window(), None, None, time.perf_counter()
     for step in range(start_step, train.train_iters):
@@ -241,5 +261,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
         log.write({"event": "end", **summary})
         log.close()
         if recipe.logging.plot:
-            summary["plot"] = str(plot_run(read_jsonl(output_dir / LOG_FILE), output_dir / PLOT_FILE, recipe.name))
+            plot = plot_run(read_jsonl(output_dir / LOG_FILE), output_dir / PLOT_FILE, recipe.name)
+            if plot is not None:
+                summary["plot"] = str(plot)
     return summary

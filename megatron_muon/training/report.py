@@ -41,9 +41,34 @@ def format_step(record: dict[str, Any], train_iters: int) -> str:
     )
 
 
-def plot_run(records: Iterable[dict[str, Any]], path: Path, title: str) -> Path:
-    """Loss and MFU (tokens/s when no MFU is known, e.g. on CPU) against the step, as a PNG."""
-    import matplotlib
+def recheck_mfu(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each logged step: the logged MFU next to FLOPs/token (recomputed from the recipe in the log's header)
+    x tokens/s / (peak x GPUs), so anyone can confirm the MFU the run reported."""
+    from megatron_muon.metrics import all_attention_flops_per_token, training_flops_per_token
+    from megatron_muon.training.config import recipe_from_dict
+    from megatron_muon.training.validation import model_shape
+
+    start = records[0]
+    shape = model_shape(recipe_from_dict(start["recipe"], where="the log's recipe"))
+    flops, all_sdpa = training_flops_per_token(shape), all_attention_flops_per_token(shape)
+    peak, gpus = start["peak_tflops_per_gpu"], start["world_size"]
+    rows = []
+    for record in (r for r in records if r.get("event") == "step"):
+        by_hand = flops * record["tokens_per_s"] / (peak * 1e12 * gpus) if peak else None
+        by_hand_sdpa = all_sdpa * record["tokens_per_s"] / (peak * 1e12 * gpus) if peak else None
+        rows.append({"step": record["step"], "tokens_per_s": record["tokens_per_s"], "mfu_logged": record["mfu"],
+                     "mfu_by_hand": by_hand, "mfu_all_sdpa_logged": record["mfu_all_sdpa"],
+                     "mfu_all_sdpa_by_hand": by_hand_sdpa, "flops_per_token": flops})
+    return rows
+
+
+def plot_run(records: Iterable[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """Loss and MFU (tokens/s when no MFU is known, e.g. on CPU) against the step, as a PNG (None without
+    matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_muon.training.distributed import free_port
-from megatron_muon.training.report import read_jsonl
+from megatron_muon.training.report import read_jsonl, recheck_mfu
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -49,5 +49,7 @@ def test_pretrain_30_steps_on_two_ranks(tmp_path, optimizer, layout, lr):
         all_sdpa = start["all_sdpa_flops_per_token"] * r["tokens_per_s"] / (1e12 * 2)
         assert r["mfu_all_sdpa"] == pytest.approx(all_sdpa, rel=1e-9)
         assert 0 < r["optimizer_share"] < 1 and r["memory_gib"] > 0
+    for row in recheck_mfu(records):  # `megatron-muon report`: FLOPs/token recomputed from the logged recipe
+        assert row["mfu_by_hand"] == pytest.approx(row["mfu_logged"], rel=1e-9)
     assert (out / "loss_mfu.png").stat().st_size > 10_000
     assert "done: loss" in result.stdout
