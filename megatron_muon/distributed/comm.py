@@ -42,8 +42,9 @@ class UnitShard:
 class StageGrid:
     """The DP×TP ranks of one pipeline stage, addressed by slot = dp_index·tp_size + tp_index."""
 
-    def __init__(self, tp_group=None, dp_group=None):
+    def __init__(self, tp_group=None, dp_group=None, device: torch.device | None = None):
         self.tp_group, self.dp_group = tp_group, dp_group
+        self.device = device or torch.device("cpu")  # where small control tensors live (NCCL needs the GPU)
         self.tp_size, self.tp_index = _size(tp_group), _rank(tp_group)
         self.dp_size, self.dp_index = _size(dp_group), _rank(dp_group)
 
@@ -63,7 +64,7 @@ class StageGrid:
 
     def all_equal(self, value: int) -> bool:
         """True when every rank of the stage passed the same int64 (min == max over TP, then DP)."""
-        lo = torch.tensor([value], dtype=torch.int64)
+        lo = torch.tensor([value], dtype=torch.int64, device=self.device)
         hi = lo.clone()
         for group in (self.tp_group, self.dp_group):
             if _size(group) > 1:
@@ -72,7 +73,7 @@ class StageGrid:
         return int(lo) == int(hi)
 
     def max_over_stage(self, value: int) -> int:
-        flag = torch.tensor([value], dtype=torch.int64)
+        flag = torch.tensor([value], dtype=torch.int64, device=self.device)
         for group in (self.tp_group, self.dp_group):
             if _size(group) > 1:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
@@ -80,12 +81,12 @@ class StageGrid:
 
     def broadcast_from_first_slot(self, values: torch.Tensor) -> torch.Tensor:
         """Slot 0's `values` on every rank (TP row 0 first, then down each DP column)."""
-        values = values.clone()
+        values = values.to(self.device, copy=True)
         if self.tp_size > 1:
             dist.broadcast(values, dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
         if self.dp_size > 1:
             dist.broadcast(values, dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
-        return values
+        return values.cpu()
 
 
 def _all_to_all(send: list[torch.Tensor], recv_numels: list[int], group, like: torch.Tensor) -> list[torch.Tensor]:

@@ -16,7 +16,16 @@ from dataclasses import dataclass
 import torch
 
 from megatron_muon.distributed.comm import StageGrid, UnitShard, gather_to_owners, scatter_from_owners
-from megatron_muon.distributed.plan import AnalyticCost, CostModel, MatrixSpec, OwnerPlan, plan_hash, plan_owners
+from megatron_muon.distributed.plan import (
+    AnalyticCost,
+    CostModel,
+    MatrixSpec,
+    OwnerPlan,
+    plan_hash,
+    plan_owners,
+    rank_loads,
+)
+from megatron_muon.distributed.profile import profiled_cost
 from megatron_muon.optimizer import muon_math
 from megatron_muon.optimizer.muon import Muon, _freeze
 from megatron_muon.optimizer.routing import piece_as_matrices, piece_matrix_shape, piece_views
@@ -43,7 +52,8 @@ class OwnerMuon(Muon):
             be summed/averaged over `dp_group` (megatron's DDP does it); parameters are replicated across it.
         expert_tp_group, expert_dp_group: used instead when every parameter is an expert weight (megatron marks
             them `allreduce = False`); megatron builds expert and dense parameters into separate optimizers.
-        cost_model: per-shape cost for owner balancing (default: FLOPs); e.g. `plan.MeasuredCost` from a profile.
+        cost_model: per-shape cost for owner balancing: None (FLOPs), a `plan.CostModel` such as
+            `plan.MeasuredCost`, or "profile" (time each shape once on this device at the first step).
         plan_method, plan_time_limit_s: forwarded to `plan.plan_owners`.
     """
 
@@ -55,6 +65,8 @@ class OwnerMuon(Muon):
                              "here (use megatron_muon.optimizer.Muon for blockwise)")
         self._groups = {"dense": (tp_group, dp_group), "expert": (expert_tp_group, expert_dp_group)}
         self.grid = StageGrid(tp_group, dp_group)
+        if isinstance(cost_model, str) and cost_model != "profile":
+            raise ValueError(f"cost_model must be a CostModel, 'profile' or None, got {cost_model!r}")
         self.cost_model = cost_model or AnalyticCost()
         self.plan_method, self.plan_time_limit_s = plan_method, plan_time_limit_s
         self.owner_momentum: dict[int, torch.Tensor] = {}  # unit index -> full momentum, on its owner only
@@ -91,6 +103,7 @@ class OwnerMuon(Muon):
             if tp_group is None and dp_group is None:
                 tp_group, dp_group = self._groups["dense"]
             self.grid = StageGrid(tp_group, dp_group)
+        self.grid.device = params[0].device if params else self.grid.device
         tp = self.grid.tp_size
         units: list[_Unit] = []
         layouts = [self._layout(param, name) for param, name in zip(params, names)]
@@ -112,11 +125,20 @@ class OwnerMuon(Muon):
                 "ranks of this pipeline stage disagree on the matrices Muon manages (names/shapes/order differ); "
                 "build the model and the optimizer identically on every TP and DP rank"
             )
-        plan = plan_owners(specs, self.cost_model, self.plan_method, self.plan_time_limit_s)
-        owners = self.grid.broadcast_from_first_slot(torch.tensor(plan.owners, dtype=torch.int64))
-        if tuple(owners.tolist()) != plan.owners:  # the MILP stopped at its time limit at a different point here
-            plan = OwnerPlan(plan.matrices, tuple(owners.tolist()), plan.loads, plan.makespan, plan.lower_bound,
-                             plan.method + "+broadcast")
+        cost = self.cost_model
+        if cost == "profile":  # only the first slot measures; every rank adopts its plan below
+            cost = AnalyticCost()
+            if self.grid.slot == 0:
+                group = self.param_groups[0]
+                cost = profiled_cost({spec.shape for spec in specs}, device=params[0].device,
+                                     ns_steps=group["ns_steps"], coefficients=group["coefficients"],
+                                     method=group["method"], compute_dtype=self.compute_dtype)
+        method = self.plan_method if self.grid.slot == 0 else "lpt"  # the other ranks adopt slot 0's plan anyway
+        plan = plan_owners(specs, cost, method, self.plan_time_limit_s)
+        owners = tuple(self.grid.broadcast_from_first_slot(torch.tensor(plan.owners, dtype=torch.int64)).tolist())
+        if owners != plan.owners:
+            loads = rank_loads(specs, owners, cost)
+            plan = OwnerPlan(plan.matrices, owners, loads, max(loads.values()), plan.lower_bound, "first slot's")
         if self.owner_momentum:
             raise ValueError("the set of Muon parameters changed after momentum exists; rebuild the optimizer, or "
                              "save and load a checkpoint to move the momentum to the new layout")
@@ -234,9 +256,9 @@ class OwnerMuon(Muon):
             raise ValueError(f"OwnerMuon needs a gradient for every parameter on every rank, but {missing[:3]} have "
                              "none; keep unused parameters out of the optimizer or zero their grads (set_to_none=False)")
         grads = [p.grad for p in params]
+        self._ensure_plan(params, group_of, names)
         if self.check_finite:
             self._check_finite_everywhere(grads, params, group_of, names)
-        self._ensure_plan(params, group_of, names)
         if self._loaded_momentum:
             self._import_momentum_from_state(params)
         self._drop_state_copies(params)

@@ -10,18 +10,27 @@ keeps even a 64-layer model on 8 ranks to a few dozen integer variables.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
-Shape = tuple[int, int]
+from megatron_muon.distributed.cost import (  # noqa: F401  (re-exported: the plan's public vocabulary)
+    AnalyticCost,
+    CostModel,
+    MeasuredCost,
+    Shape,
+    _CachedCost,
+    newton_schulz_flops,
+)
 
-# A node budget (not only a time limit) keeps the MILP's answer independent of machine load; the time limit is a
-# safety net. Near-optimal plans are found at the root; the tree mostly tightens the bound.
+# The MILP stops at this many branch-and-bound nodes or at its time limit, whichever comes first. Near-optimal plans
+# are found at the root; the tree mostly tightens the bound. A time limit makes the answer depend on machine speed,
+# which is why OwnerMuon adopts the first slot's plan on every rank.
 MILP_NODE_LIMIT = 500
 # The greedy runs once per batch granularity (fractions of the lower bound; 0 = one matrix per batch) and keeps
 # the best: coarse batches save launches, fine ones balance better, and which wins depends on the shape mix.
@@ -43,92 +52,6 @@ class MatrixSpec:
             raise ValueError(f"{self.name}: no rank holds this matrix; give at least one rank in `holders`")
         object.__setattr__(self, "shape", (int(self.shape[0]), int(self.shape[1])))
         object.__setattr__(self, "holders", tuple(sorted(set(int(r) for r in self.holders))))
-
-
-class CostModel(Protocol):
-    """Cost of orthogonalizing `batch` matrices of `shape` together: launch(shape) + batch * per_matrix(shape)."""
-
-    def launch_cost(self, shape: Shape) -> float: ...
-
-    def matrix_cost(self, shape: Shape) -> float: ...
-
-
-def newton_schulz_flops(shape: Shape, steps: int = 5, method: str = "auto") -> float:
-    """FLOPs the orthogonalize engine spends on one matrix (megatron_muon.kernels.flops, same method rule)."""
-    from megatron_muon.kernels.flops import flops
-
-    return float(flops(shape[0], shape[1], method, steps))
-
-
-@dataclass(frozen=True)
-class AnalyticCost:
-    """FLOP-based cost (CPU, or before a device profile exists): seconds at `flops_per_s`, plus a launch cost."""
-
-    flops_per_s: float = 400e12
-    launch_s: float = 50e-6
-    steps: int = 5
-    method: str = "auto"
-    flops_fn: Callable[[Shape, int, str], float] = newton_schulz_flops
-
-    def launch_cost(self, shape: Shape) -> float:
-        return self.launch_s
-
-    def matrix_cost(self, shape: Shape) -> float:
-        return self.flops_fn(shape, self.steps, self.method) / self.flops_per_s
-
-
-@dataclass(frozen=True)
-class MeasuredCost:
-    """Affine fit per shape of measured seconds {(rows, cols, batch): seconds}; unmeasured shapes use
-    `fallback` scaled by the median measured/fallback ratio, so a partial profile still ranks shapes sensibly."""
-
-    table: Mapping[tuple[int, int, int], float]
-    fallback: CostModel = field(default_factory=AnalyticCost)
-
-    def __post_init__(self):
-        points: dict[Shape, list[tuple[int, float]]] = defaultdict(list)
-        for (rows, cols, batch), seconds in self.table.items():
-            if batch < 1 or seconds < 0:
-                raise ValueError(f"measured cost ({rows},{cols},batch={batch}) = {seconds}: need batch >= 1, seconds >= 0")
-            points[(rows, cols)].append((batch, seconds))
-        fits, ratios = {}, []
-        for shape, pts in points.items():
-            batches = np.array([b for b, _ in pts], dtype=float)
-            secs = np.array([s for _, s in pts], dtype=float)
-            if len(set(batches)) >= 2:
-                slope, intercept = np.polyfit(batches, secs, 1)
-                slope, intercept = max(slope, 1e-12), max(intercept, 0.0)
-            else:
-                slope, intercept = float(secs.mean() / batches.mean()), 0.0
-            fits[shape] = (float(intercept), float(slope))
-            ratios.append(slope / max(self.fallback.matrix_cost(shape), 1e-30))
-        object.__setattr__(self, "_fits", fits)
-        object.__setattr__(self, "_scale", float(np.median(ratios)) if ratios else 1.0)
-
-    def launch_cost(self, shape: Shape) -> float:
-        fit = self._fits.get(shape)
-        return fit[0] if fit else self.fallback.launch_cost(shape) * self._scale
-
-    def matrix_cost(self, shape: Shape) -> float:
-        fit = self._fits.get(shape)
-        return fit[1] if fit else self.fallback.matrix_cost(shape) * self._scale
-
-
-class _CachedCost:
-    """Per-shape memo of a cost model (planning asks for the same few shapes thousands of times)."""
-
-    def __init__(self, inner: CostModel):
-        self.inner, self._launch, self._matrix = inner, {}, {}
-
-    def launch_cost(self, shape: Shape) -> float:
-        if shape not in self._launch:
-            self._launch[shape] = float(self.inner.launch_cost(shape))
-        return self._launch[shape]
-
-    def matrix_cost(self, shape: Shape) -> float:
-        if shape not in self._matrix:
-            self._matrix[shape] = float(self.inner.matrix_cost(shape))
-        return self._matrix[shape]
 
 
 @dataclass(frozen=True)
@@ -427,7 +350,8 @@ def plan_owners(
 ) -> OwnerPlan:
     """Assign every matrix an owner among its holders, minimizing the most loaded rank's predicted time.
 
-    method: "milp", "lpt", or "auto" (MILP when small enough, else LPT; the better of the two is kept)."""
+    method: "milp", "lpt", or "auto" (MILP when small enough and scipy is installed, else LPT; the better of the
+    two is kept)."""
     matrices = tuple(matrices)
     cost = _CachedCost(cost or AnalyticCost())
     if method not in ("auto", "milp", "lpt"):
@@ -444,6 +368,8 @@ def plan_owners(
     lpt = min(greedy, key=lambda owners: max(rank_loads(matrices, owners, cost).values()))
     candidates = [("lpt", lpt)]
     num_vars = len({(m.shape, m.holders, r) for m in matrices for r in m.holders}) * 2 + 1
+    if method == "auto" and importlib.util.find_spec("scipy") is None:  # pragma: no cover - scipy is a dependency
+        method = "lpt"
     if method == "milp" or (method == "auto" and num_vars <= max_milp_vars):
         upper = max(rank_loads(matrices, lpt, cost).values())
         solved = plan_milp(matrices, cost, time_limit_s, upper_bound=upper)

@@ -14,7 +14,7 @@ import torch
 from megatron_muon.training.config import Recipe
 
 
-def build_train_dataset(recipe: Recipe, output_dir: Path):
+def build_train_dataset(recipe: Recipe, output_dir: str | Path):
     """megatron's MockGPTDataset or GPTDataset (blend) with enough samples for train_iters x global_batch_size."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -35,7 +35,7 @@ def build_train_dataset(recipe: Recipe, output_dir: Path):
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
-        path_to_cache=(data.cache_dir or str(output_dir / "data_cache")) if blend else None,
+        path_to_cache=(data.cache_dir or str(Path(output_dir) / "data_cache")) if blend else None,
     )
     num_samples = recipe.training.train_iters * recipe.training.global_batch_size
     dataset_class = GPTDataset if blend else MockGPTDataset

@@ -80,7 +80,8 @@ def _forward_step_func(data_iterator, model_chunk):
 
     def loss_func(per_token_losses):
         loss = (per_token_losses.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-        return loss, {"loss": loss.detach()}
+        # clone: megatron divides the returned loss in place by the number of micro-batches
+        return loss, {"loss": loss.detach().clone()}
 
     return output, loss_func
 

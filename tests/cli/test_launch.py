@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from megatron_muon.launch import main as launch_main
 from megatron_muon.training.distributed import free_port
 

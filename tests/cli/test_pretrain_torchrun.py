@@ -1,6 +1,5 @@
 """`megatron-muon pretrain` end to end under torchrun on 2 gloo ranks: 30 steps with Muon and with AdamW."""
 
-import json
 import os
 import subprocess
 import sys

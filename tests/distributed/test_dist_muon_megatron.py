@@ -8,7 +8,6 @@ checked to 1e-6 against single-process Muon on identical gradients in test_owner
 """
 
 import pytest
-import torch
 
 from tests.distributed.dist_training import checkpoint_then_continue, interrupted_save, train, train_pair
 

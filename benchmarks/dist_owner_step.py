@@ -1,0 +1,149 @@
+"""Owner-side optimizer step of distributed Muon with simulated owners on one GPU, vs fused AdamW in the same run.
+
+For each simulated world size W the owner plan (`megatron_muon.distributed.plan_owners`, costs from a startup
+profile on this device) splits the reference model's Newton–Schulz matrices (hybrid-1.5B, fused QKV / GDN in_proj
+split per section) among W data-parallel owners. Each owner's share (momentum + one batched orthogonalize per shape
+bucket, exactly what `OwnerMuon` runs) is timed on its own; the step's critical path is the slowest owner plus the
+local update every rank applies to its parameters, plus the fused AdamW step over the non-matrix rest. Collectives
+are not simulated (one GPU): the gather of gradient shards to owners and the all-gather of updates come on top.
+
+    python benchmarks/dist_owner_step.py --out benchmarks/results/dist_owner_step.md
+    python benchmarks/dist_owner_step.py --scale 32 --repeats 2 --worlds 1 2   # CPU smoke test of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from optimizer_step import reference_params, timed  # noqa: E402
+
+from megatron_muon.distributed import AnalyticCost, MatrixSpec, plan_owners  # noqa: E402
+from megatron_muon.distributed.profile import profiled_cost  # noqa: E402
+from megatron_muon.optimizer import Muon, muon_math  # noqa: E402
+from megatron_muon.optimizer.routing import matrix_layout, piece_as_matrices, piece_views  # noqa: E402
+
+NS = dict(ns_steps=5, coefficients="quintic", method="auto")
+MOMENTUM, LR, WEIGHT_DECAY = 0.95, 0.02, 0.1
+
+
+def ns_units(matrices):
+    """(param index, full gradient of one orthogonalized matrix) for every piece of every parameter."""
+    units = []
+    for index, param in enumerate(matrices):
+        layout = matrix_layout(param)
+        for piece in piece_views(param.grad, layout):
+            for matrix in piece_as_matrices(piece):
+                units.append((index, matrix.contiguous()))
+    return units
+
+
+def owner_step_fn(grads, buffers):
+    """What one owner runs per step: foreach momentum, then one orthogonalize per shape bucket."""
+    buckets = defaultdict(list)
+    for i, grad in enumerate(grads):
+        buckets[tuple(grad.shape)].append(i)
+
+    @torch.no_grad()
+    def step():
+        updates = muon_math.momentum_update_(grads, buffers, MOMENTUM, True)
+        for members in buckets.values():
+            muon_math.orthogonal_update(torch.stack([updates[i] for i in members]), **NS)
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=int, default=1, help="divide every dimension (CPU smoke tests)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--cost", choices=("profile", "flops"), default="profile")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="markdown result file")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    matrices, rest = reference_params(device, args.scale)
+    fused = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
+    adamw_all = timed(torch.optim.AdamW(matrices + rest, lr=1e-4, weight_decay=0.1, **fused).step, device,
+                      args.warmup, args.repeats)
+    adamw_rest = timed(torch.optim.AdamW(rest, lr=1e-4, **fused).step, device, args.warmup, args.repeats)
+    muon_single = timed(Muon(matrices, lr=LR, weight_decay=WEIGHT_DECAY, scale_mode="spectral").step, device,
+                        args.warmup, args.repeats)
+    print(f"fused AdamW all {adamw_all:.2f} ms, rest {adamw_rest:.2f} ms; single-process Muon {muon_single:.2f} ms")
+
+    units = ns_units(matrices)
+    shapes = {tuple(g.shape) for _, g in units}
+    cost = profiled_cost(shapes, device=device) if args.cost == "profile" else AnalyticCost()
+    updates = [torch.randn_like(p) * 1e-3 for p in matrices]
+
+    weights = [p.data for p in matrices]
+
+    def apply_step():  # every rank: weight decay and the update on all of its (data-parallel replicated) matrices
+        muon_math.apply_weight_decay_(weights, lr=LR, weight_decay=WEIGHT_DECAY, mode="decoupled")
+        muon_math.apply_updates_(weights, updates, lr=LR, scale=1.0)
+
+    apply_ms = timed(apply_step, device, args.warmup, args.repeats)
+    rows = []
+    for world in args.worlds:
+        specs = [MatrixSpec(f"u{i}", tuple(g.shape), tuple(range(world))) for i, (_, g) in enumerate(units)]
+        plan = plan_owners(specs, cost)
+        owner_ms = []
+        for rank in range(world):
+            grads = [units[i][1] for i, owner in enumerate(plan.owners) if owner == rank]
+            if not grads:
+                owner_ms.append(0.0)
+                continue
+            buffers = [torch.zeros_like(g) for g in grads]
+            owner_ms.append(timed(owner_step_fn(grads, buffers), device, args.warmup, args.repeats))
+            del buffers
+        slowest = max(owner_ms)
+        total = slowest + apply_ms + adamw_rest
+        rows.append((world, plan.method, slowest, sum(owner_ms) / world, plan.makespan * 1e3, total,
+                     total / adamw_all, total / (adamw_all / world)))
+        print(f"W={world}: slowest owner {slowest:.2f} ms ({plan.method}), step {total:.2f} ms", flush=True)
+
+    table = ["| simulated owners W | plan | slowest owner ms | mean owner ms | predicted ms | owner-side step ms "
+             "(slowest + apply + AdamW rest) | × fused AdamW (all params) | × AdamW/W (ZeRO-sharded AdamW) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    table += [f"| {w} | {m} | {s:.2f} | {a:.2f} | {p:.2f} | {t:.2f} | {r:.2f} | {z:.2f} |"
+              for w, m, s, a, p, t, r, z in rows]
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    header = [
+        "# Distributed Muon, owner side, simulated owners on one device (hybrid-1.5B shape set)",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- device: {gpu}; torch {torch.__version__}, Triton {triton_version}",
+        f"- command: `python {' '.join(sys.argv)}`",
+        f"- {len(units)} orthogonalized matrices from {len(matrices)} parameters (scale 1/{args.scale}); "
+        f"cost model: {args.cost}; median of {args.repeats} after {args.warmup} warm-up steps",
+        f"- same run: fused AdamW all params {adamw_all:.2f} ms, non-matrix rest {adamw_rest:.2f} ms; "
+        f"single-process Muon (all matrices) {muon_single:.2f} ms; local apply (decay + update) {apply_ms:.2f} ms",
+        "- not included: collectives (gradient shards to owners, update all-gather); they overlap nothing yet",
+        "",
+    ]
+    text = "\n".join(header + table) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
