@@ -147,7 +147,7 @@ def fwd_bwd(layer, x, grad, sbh: bool):
     """One forward+backward; megatron modules take [s, b, h] and return (out, bias), FLA takes [b, s, h]."""
 
     def step():
-        out = layer(x.transpose(0, 1) if sbh else x)[0]
+        out = layer(x.transpose(0, 1), None)[0] if sbh else layer(x)[0]  # megatron mixers take attention_mask
         out = out.transpose(0, 1) if sbh else out
         out.backward(grad)
 
@@ -181,8 +181,8 @@ def compare_to_megatron_core(ours, reference, x) -> str:
     """Relative error of our output vs megatron-core's on the same weights (same parameter names and layout)."""
     missing = ours.load_state_dict(reference.state_dict(), strict=False)
     with torch.no_grad():
-        a = ours(x.transpose(0, 1))[0].float()
-        b = reference(x.transpose(0, 1))[0].float()
+        a = ours(x.transpose(0, 1), None)[0].float()
+        b = reference(x.transpose(0, 1), None)[0].float()
     error = ((a - b).norm() / b.norm()).item()
     return f"{error:.2e} (missing keys {list(missing.missing_keys)})"
 

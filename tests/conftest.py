@@ -6,6 +6,7 @@ import torch
 from megatron_muon.testing import RankPool
 
 _pools: dict[int, RankPool] = {}
+_started_world_sizes: list[int] = []
 
 
 def _pool(world_size: int) -> RankPool:
@@ -14,6 +15,7 @@ def _pool(world_size: int) -> RankPool:
         if pool is not None:
             pool.close()
         pool = _pools[world_size] = RankPool(world_size)
+        _started_world_sizes.append(world_size)
     return pool
 
 
@@ -30,6 +32,13 @@ def rank_pool_2() -> RankPool:
 @pytest.fixture
 def rank_pool_4() -> RankPool:
     return _pool(4)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """State in the log which gloo world sizes really ran (CI must show 2 and 4 ranks)."""
+    if _started_world_sizes:
+        sizes = ", ".join(str(size) for size in sorted(set(_started_world_sizes)))
+        terminalreporter.write_line(f"gloo rank pools started for world sizes: {sizes}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -46,28 +46,11 @@ def owner_engines(optimizer) -> list:
     return [inner] if isinstance(inner, OwnerMuon) else []
 
 
-def ensure_layout(tp: int, pp: int, seed: int = 1234) -> None:
-    """Reuse megatron's process groups when the layout is unchanged (each new layout costs every rank ~60 gloo
-    threads that megatron never frees); reseed either way so every build starts from the same weights."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    same = (ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() == tp
-            and ps.get_pipeline_model_parallel_world_size() == pp)
-    if not same:
-        init_model_parallel(tp=tp, pp=pp, seed=seed)
-        return
-    destroy_num_microbatches_calculator()
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-
-
 def build(tp: int, pp: int, name: str, precision: str, model: str, lr: float = 0.01):
     import megatron_muon
 
     megatron_muon.register()
-    ensure_layout(tp, pp)
+    init_model_parallel(tp=tp, pp=pp)
     options = dict(muon_tp_mode="duplicated", muon_fp32_matmul_prec="highest" if precision == "fp32" else "medium")
     builder = {"gpt": {}, "hybrid": dict(model_builder=_hybrid_builder, config_overrides=GDN_SIZES)}[model]
     return build_training_setup(name, bf16=precision == "bf16", lr=lr, **builder, **options)
