@@ -1,6 +1,6 @@
 """Save and load a megatron model + optimizer through dist_checkpointing (torch_dist), atomically.
 
-A checkpoint is written into `<dir>.tmp-<nonce>` and renamed into place only after every rank finished writing, so a
+A checkpoint is written into `<dir>.tmp-save` and renamed into place only after every rank finished writing, so a
 failed or interrupted save never leaves a directory that looks loadable.
 """
 
@@ -14,6 +14,10 @@ import torch
 
 _DONE_MARKER = "megatron_muon_complete"
 
+# Hybrid layers differ in kind (GDN vs attention), so their tensors cannot be stacked along one layer axis:
+# every layer is stored under its own global index instead (valid for homogeneous models too).
+DEFAULT_MODEL_METADATA = {"non_homogeneous_layers": True}
+
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -25,39 +29,46 @@ def _barrier() -> None:
 
 
 def _unwrap_chunks(model) -> list:
-    """The bare model chunks (without DDP / Float16Module wrappers), whose state-dict keys carry no `module.`."""
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.transformer.module import Float16Module
+    """The bare model chunks (without DDP / FSDP / Float16Module wrappers), whose state-dict keys carry no `module.`."""
+    from megatron.core.utils import unwrap_model
 
-    chunks = model if isinstance(model, list) else [model]
-    bare = []
-    for chunk in chunks:
-        while isinstance(chunk, (DistributedDataParallel, Float16Module)):
-            chunk = chunk.module
-        bare.append(chunk)
-    return bare
+    return unwrap_model(model if isinstance(model, list) else [model])
 
 
-def sharded_state_dict(model, optimizer, is_loading: bool, extra: dict | None = None) -> dict:
-    """The model's (all chunks) and optimizer's sharded state dicts, in the structure megatron's pretrain uses."""
+def _model_metadata(model_metadata: dict | None) -> dict:
+    return dict(DEFAULT_MODEL_METADATA if model_metadata is None else model_metadata)
+
+
+def sharded_state_dict(model, optimizer, is_loading: bool, extra: dict | None = None,
+                       model_metadata: dict | None = None, optimizer_metadata: dict | None = None) -> dict:
+    """The model's (all chunks) and optimizer's sharded state dicts, in the structure megatron's pretrain uses.
+
+    `model_metadata` defaults to `DEFAULT_MODEL_METADATA`; save and load must use the same metadata."""
     chunks = _unwrap_chunks(model)
+    metadata = _model_metadata(model_metadata)
     state = {}
     if len(chunks) == 1:
-        state["model"] = chunks[0].sharded_state_dict()
+        state["model"] = chunks[0].sharded_state_dict(metadata=dict(metadata))
         model_state_for_optimizer = state["model"]
     else:
         for index, chunk in enumerate(chunks):
-            state[f"model{index}"] = chunk.sharded_state_dict()
+            state[f"model{index}"] = chunk.sharded_state_dict(metadata=dict(metadata))
         model_state_for_optimizer = {k: v for k, v in state.items()}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state_for_optimizer, is_loading=is_loading)
+        optimizer_kwargs = {} if optimizer_metadata is None else {"metadata": dict(optimizer_metadata)}
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state_for_optimizer, is_loading=is_loading, **optimizer_kwargs
+        )
     if extra:
         state.update(extra)
     return state
 
 
-def save_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict | None = None) -> Path:
-    """Write a dist checkpoint to `directory` (replacing an older one there only once the new one is complete)."""
+def save_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict | None = None,
+                    model_metadata: dict | None = None, optimizer_metadata: dict | None = None) -> Path:
+    """Write a dist checkpoint to `directory` (replacing an older one there only once the new one is complete).
+
+    Model and optimizer metadata are also stored as the checkpoint's content metadata, as megatron's pretrain does."""
     from megatron.core import dist_checkpointing
 
     final = Path(directory)
@@ -66,7 +77,9 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict 
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(sharded_state_dict(model, optimizer, is_loading=False, extra=extra), str(staging))
+    state = sharded_state_dict(model, optimizer, False, extra, model_metadata, optimizer_metadata)
+    content_metadata = {**_model_metadata(model_metadata), **(optimizer_metadata or {})}
+    dist_checkpointing.save(state, str(staging), content_metadata=content_metadata)
     _barrier()
     if _rank() == 0:
         (staging / _DONE_MARKER).write_text("ok\n")
@@ -81,7 +94,8 @@ def is_complete_checkpoint(directory: str | os.PathLike) -> bool:
     return (Path(directory) / _DONE_MARKER).is_file()
 
 
-def load_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict | None = None) -> dict:
+def load_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict | None = None,
+                    model_metadata: dict | None = None, optimizer_metadata: dict | None = None) -> dict:
     """Load a checkpoint written by `save_checkpoint` into `model` and `optimizer` (any tp/pp/dp layout the state
     dicts can reshard to); returns the loaded state dict (for `extra` entries such as the iteration)."""
     from megatron.core import dist_checkpointing
@@ -92,7 +106,8 @@ def load_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict 
             f"{directory} is not a complete megatron_muon checkpoint (missing {_DONE_MARKER}); "
             "point --load at a directory written by a finished save."
         )
-    state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True, extra=extra), str(directory))
+    template = sharded_state_dict(model, optimizer, True, extra, model_metadata, optimizer_metadata)
+    state = dist_checkpointing.load(template, str(directory))
     chunks = _unwrap_chunks(model)
     if len(chunks) == 1:
         chunks[0].load_state_dict(state["model"])

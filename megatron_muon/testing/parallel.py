@@ -23,7 +23,14 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, **kwargs) ->
     if world_size % (tp * pp) != 0:
         raise ValueError(f"tp*pp = {tp * pp} must divide the world size {world_size}")
     layout_key = (tp, pp, tuple(sorted(kwargs.items())))
-    if layout_key != _current_layout or not parallel_state.model_parallel_is_initialized():
+    # Code under test (the training loop) may have set parallel_state itself: trust only what it reports now.
+    unchanged = (
+        layout_key == _current_layout
+        and parallel_state.model_parallel_is_initialized()
+        and parallel_state.get_tensor_model_parallel_world_size() == tp
+        and parallel_state.get_pipeline_model_parallel_world_size() == pp
+    )
+    if not unchanged:
         destroy_model_parallel()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **kwargs

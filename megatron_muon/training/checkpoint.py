@@ -1,7 +1,8 @@
 """Distributed checkpoints (megatron dist_checkpointing) of model, optimizer, LR schedule, step and RNG state.
 
 Resume continues exactly: data order is a function of the step, and the RNG states of every rank are restored
-when the checkpoint was written with the same parallel layout.
+when the checkpoint was written with the same parallel layout. Each iter_NNNNNNN/ is written atomically by
+megatron_muon.megatron.checkpointing; the tracker file names the latest one only after it is complete.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from megatron_muon.megatron import checkpointing as dist_checkpoint
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -68,25 +71,9 @@ def _optimizer_metadata(use_distributed_optimizer: bool) -> dict:
     return {"distrib_optim_sharding_type": "dp_reshardable"} if use_distributed_optimizer else {}
 
 
-# Hybrid layers differ in kind (GDN vs attention), so their tensors cannot be stacked along one layer axis:
-# every layer is stored under its own global index instead (valid for homogeneous models too).
-MODEL_METADATA = {"non_homogeneous_layers": True}
-
-
-def _sharded_state(model, optimizer, scheduler, step: int, use_distributed_optimizer: bool, is_loading: bool,
-                   with_rng: bool, extra: dict | None = None) -> dict:
-    from megatron.core.utils import unwrap_model
-
-    model_state = unwrap_model(model).sharded_state_dict(metadata=dict(MODEL_METADATA))
-    state = {
-        "model": model_state,
-        "optimizer": optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata=_optimizer_metadata(use_distributed_optimizer)
-        ),
-        "scheduler": scheduler.state_dict(),
-        "iteration": step,
-        "layout": _layout(),
-    }
+def _training_state(scheduler, step: int, with_rng: bool, extra: dict | None = None) -> dict:
+    """What a training run adds to the model + optimizer state: LR schedule, step, layout and RNG states."""
+    state = {"scheduler": scheduler.state_dict(), "iteration": step, "layout": _layout()}
     if with_rng:
         state["rng_state"] = _rng_object()
     if extra:
@@ -96,16 +83,13 @@ def _sharded_state(model, optimizer, scheduler, step: int, use_distributed_optim
 
 def save_checkpoint(root: str | Path, step: int, model, optimizer, scheduler, use_distributed_optimizer: bool,
                     extra: dict | None = None) -> Path:
-    """Write iter_NNNNNNN/ under root (collective: every rank calls it) and point the tracker file at it."""
-    from megatron.core import dist_checkpointing
-
+    """Write iter_NNNNNNN/ under root atomically (collective: every rank calls it); then point the tracker at it."""
     target = iteration_dir(root, step)
-    if torch.distributed.get_rank() == 0:
-        target.mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()
-    state = _sharded_state(model, optimizer, scheduler, step, use_distributed_optimizer, False, True, extra)
-    dist_checkpointing.save(state, str(target), content_metadata={**MODEL_METADATA, **_optimizer_metadata(use_distributed_optimizer)})
-    torch.distributed.barrier()
+    dist_checkpoint.save_checkpoint(
+        model, optimizer, target, extra=_training_state(scheduler, step, True, extra),
+        model_metadata=dist_checkpoint.DEFAULT_MODEL_METADATA,
+        optimizer_metadata=_optimizer_metadata(use_distributed_optimizer),
+    )
     if torch.distributed.get_rank() == 0:
         (Path(root) / TRACKER_FILE).write_text(str(step))
     torch.distributed.barrier()
@@ -115,12 +99,16 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, scheduler, us
 def load_checkpoint(root: str | Path, model, optimizer, scheduler, use_distributed_optimizer: bool) -> int:
     """Load the latest checkpoint under root into model/optimizer/scheduler; returns the step it was taken at."""
     from megatron.core import dist_checkpointing
-    from megatron.core.utils import unwrap_model
 
     step = latest_iteration(root)
     if step is None:
         raise ValueError(f"'{root}' has no {TRACKER_FILE}; point --load at a directory written by --save.")
     source = iteration_dir(root, step)
+    if not dist_checkpoint.is_complete_checkpoint(source):
+        raise ValueError(
+            f"{source} (named by {TRACKER_FILE}) is not a complete checkpoint; point --load at a directory "
+            "written by a finished --save."
+        )
     common = dist_checkpointing.load_common_state_dict(str(source))
     same_layout = common.get("layout") == _layout()
     if not same_layout:
@@ -128,10 +116,11 @@ def load_checkpoint(root: str | Path, model, optimizer, scheduler, use_distribut
             f"checkpoint layout {common.get('layout')} differs from this run's {_layout()}: loading weights and "
             "optimizer state resharded, RNG states start fresh."
         )
-    template = _sharded_state(model, optimizer, scheduler, step, use_distributed_optimizer, True, same_layout)
-    loaded = dist_checkpointing.load(template, str(source))
-    unwrap_model(model).load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    loaded = dist_checkpoint.load_checkpoint(
+        model, optimizer, source, extra=_training_state(scheduler, step, same_layout),
+        model_metadata=dist_checkpoint.DEFAULT_MODEL_METADATA,
+        optimizer_metadata=_optimizer_metadata(use_distributed_optimizer),
+    )
     scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
         _restore_rng(loaded["rng_state"])
