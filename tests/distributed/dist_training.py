@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from megatron_muon.testing.parallel import init_model_parallel, layout
 from megatron_muon.testing.training import build_training_setup, full_parameters, train_step
+from tests.megatron.muon_training import one_thread
 
 # A tiny GDN geometry: 2 key heads of 16, 4 value heads of 8, conv 4.
 GDN_SIZES = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
     linear_conv_kernel_dim=4,
 )
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Tiny matmuls on a loaded 2-core machine stall on intra-op thread wake-ups; one thread is much faster."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _hybrid_builder(config):
