@@ -1,0 +1,199 @@
+"""End-to-end ladder: the hybrid-1.5B recipe on one GPU, from megatron-core upstream to our specs and our Muon.
+
+  python benchmarks/e2e.py --out benchmarks/results/e2e.md                       # every rung, one process
+  python benchmarks/e2e.py --rungs 4,6 --profile-rung 4 --out /tmp/e2e.md        # a subset, with a kernel profile
+
+Every rung rebuilds the model from the same seed and trains on the same mock batches, so the loss columns are
+comparable: AdamW rungs should agree within bf16 tolerance, and eager vs compiled on the same spec is printed as a
+correctness check. Timings are medians over the steps after `--warmup` (those include compilation), with the GPU
+synchronized around the forward/backward and the optimizer step. The rungs are listed in `e2e_rungs.py`.
+`--append` merges into an existing result (same recipe), so a long ladder can be measured in parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e_report import versions, write_profile, write_report  # noqa: E402
+from e2e_rungs import Rung, build_upstream_model, parse_rungs  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def rung_recipe(recipe, rung: Rung):
+    """The recipe with the rung's optimizer and compile setting (everything else identical across rungs)."""
+    from dataclasses import replace
+
+    return replace(recipe, optimizer=replace(recipe.optimizer, name=rung.optimizer),
+                   training=replace(recipe.training, torch_compile=rung.compiled))
+
+
+def build_rung(recipe, rung: Rung, on_gpu: bool):
+    """(DDP-wrapped model, megatron optimizer, config) for the rung, from the recipe's seed."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_muon.training.loop import optimizer_config
+    from megatron_muon.training.model import build_model, transformer_config, wrap_model
+    from megatron_muon.training.validation import full_layer_pattern
+
+    torch.manual_seed(recipe.training.seed)
+    model_parallel_cuda_manual_seed(recipe.training.seed)
+    config = transformer_config(recipe, on_gpu=on_gpu)
+    if rung.spec == "upstream":
+        m = recipe.model
+        module = build_upstream_model(config, full_layer_pattern(recipe), rung.attention, m.vocab_size,
+                                      m.seq_length, m.untie_embeddings, m.rotary_base)
+    else:
+        module = build_model(recipe, config)
+    if rung.compiled:
+        module.forward = torch.compile(module.forward)
+    model = wrap_model(module, config, recipe)
+    optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer, config
+
+
+def train_steps(model, optimizer, batches, recipe, steps: int, first_step: int = 0):
+    """Yields (fwd+bwd seconds, optimizer seconds, loss) per step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_muon.training.loop import _forward_step_func, _global_mean_loss
+
+    forward_backward = get_forward_backward_func()
+    for step in range(first_step, first_step + steps):
+        _sync()
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(forward_step_func=_forward_step_func, data_iterator=batches.for_step(step),
+                                  model=[model], num_microbatches=batches.num_microbatches,
+                                  seq_length=recipe.model.seq_length,
+                                  micro_batch_size=recipe.training.micro_batch_size, forward_only=False)
+        _sync()
+        t1 = time.perf_counter()
+        optimizer.step()
+        _sync()
+        t2 = time.perf_counter()
+        yield t1 - t0, t2 - t1, _global_mean_loss(losses)
+
+
+def compile_stats() -> dict:
+    from torch._dynamo.utils import counters, guard_failures
+
+    return {"graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
+            "recompiles": sum(len(v) for v in guard_failures.values())}
+
+
+def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> dict:
+    from megatron_muon.metrics import MfuCalculator, peak_tflops
+    from megatron_muon.training.data import MicroBatches, build_train_dataset
+    from megatron_muon.training.validation import model_shape
+
+    recipe = rung_recipe(base_recipe, rung)
+    row = {"rung": rung.key, "label": rung.label, "optimizer": rung.optimizer, "compiled": rung.compiled}
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    _free_memory()
+    on_gpu = ctx.device.type == "cuda"
+    start = time.perf_counter()
+    model = optimizer = None
+    try:
+        model, optimizer, _ = build_rung(recipe, rung, on_gpu)
+        train = recipe.training
+        batches = MicroBatches(build_train_dataset(recipe, args.data_dir), train.micro_batch_size,
+                               train.global_batch_size, 0, 1, ctx.device)
+        records = list(train_steps(model, optimizer, batches, recipe, args.steps))
+        timed = records[args.warmup:]
+        step_s = statistics.median(f + o for f, o, _ in timed)
+        tokens_per_step = train.global_batch_size * recipe.model.seq_length
+        peak = recipe.metrics.peak_tflops or peak_tflops(ctx.device_name, recipe.metrics.peak_precision)
+        mfu_of = MfuCalculator.for_model(model_shape(recipe), peak)
+        row.update(
+            step_ms=step_s * 1e3, fwd_bwd_ms=statistics.median(f for f, _, _ in timed) * 1e3,
+            optimizer_ms=statistics.median(o for _, o, _ in timed) * 1e3, tokens_per_s=tokens_per_step / step_s,
+            losses=[loss for _, _, loss in records], first_steps_s=sum(f + o for f, o, _ in records[:args.warmup]),
+            peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+            **mfu_of(tokens_per_step / step_s),
+        )
+        row["optimizer_share"] = row["optimizer_ms"] / row["step_ms"]
+        if rung.compiled:
+            row.update(compile_stats())
+        if profile_path is not None:
+            write_profile(profile_path, rung, lambda: list(train_steps(model, optimizer, batches, recipe, 2,
+                                                                       args.steps)))
+    except Exception as error:  # one failing rung (OOM, a missing kernel) must not hide the others
+        row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
+        traceback.print_exc()
+    row["wall_s"] = time.perf_counter() - start
+    del model, optimizer
+    _free_memory()
+    print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="hybrid-1.5b-h200")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--rungs", default="all", help="'all' or a comma list of rung keys (see e2e_rungs.py)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing (compile, autotune)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e.md"))
+    parser.add_argument("--append", action="store_true", help="merge into the rungs already in --out's json")
+    parser.add_argument("--profile-rung", default=None, help="profile two extra steps of this rung")
+    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/megatron_muon_e2e_data"))
+    args = parser.parse_args(argv)
+    if not 0 <= args.warmup < args.steps:
+        raise SystemExit(f"--warmup must be in [0, --steps), got warmup={args.warmup} steps={args.steps}")
+    rungs = parse_rungs(args.rungs)
+
+    from megatron_muon import register
+    from megatron_muon.training.distributed import init_distributed, shutdown_distributed
+    from megatron_muon.training.recipes import load_recipe
+
+    recipe = load_recipe(args.recipe, args.set)
+    register()
+    ctx = init_distributed(1, 1, torch_compile=True)
+    json_path = args.out.with_suffix(".json")
+    rows = {}
+    if args.append and json_path.exists():
+        rows = {r["rung"]: r for r in json.loads(json_path.read_text())["rows"]}
+    meta = {"recipe": args.recipe, "overrides": args.set, "steps": args.steps, "warmup": args.warmup,
+            "device": ctx.device_name, "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+            "date": time.strftime("%Y-%m-%d"), **versions()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for rung in rungs:
+        profile = args.out.with_name(args.out.stem + f"_profile_rung{rung.key}.md") \
+            if rung.key == args.profile_rung else None
+        rows[rung.key] = run_rung(recipe, rung, ctx, args, profile)
+        write_report(args.out, json_path, rows, meta)  # after every rung: a run cut short keeps its numbers
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Markdown + JSON output of the end-to-end ladder, and the optional kernel profile of one rung."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+LOSS_PAIRS = (("3", "2", "compiled vs eager, upstream spec"), ("4", "4e", "compiled vs eager, our spec"),
+              ("4", "3", "our GDN vs megatron-core's GDN, compiled"), ("2", "1", "cuDNN vs megatron-local attention"),
+              ("6", "5", "our Muon vs megatron-core Muon"))
+
+
+def versions() -> dict:
+    found = {"torch": torch.__version__}
+    for name in ("triton", "megatron-core", "fla-core", "tilelang"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "absent"
+    if torch.cuda.is_available():
+        found["cudnn"] = str(torch.backends.cudnn.version())
+    return found
+
+
+def _fmt(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def loss_agreement(rows: dict) -> list[str]:
+    """Max |loss difference| over the common steps of two rungs (same init, same batches)."""
+    lines = []
+    for a, b, what in LOSS_PAIRS:
+        la, lb = rows.get(a, {}).get("losses"), rows.get(b, {}).get("losses")
+        if la and lb:
+            diffs = [abs(x - y) for x, y in zip(la, lb)]
+            worst = max(range(len(diffs)), key=diffs.__getitem__)
+            lines.append(f"| {a} vs {b} | {what} | {diffs[worst]:.4f} (step {worst + 1}, loss {lb[worst]:.3f}) "
+                         f"| {la[-1]:.4f} / {lb[-1]:.4f} |")
+    return lines
+
+
+def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None:
+    json_path.write_text(json.dumps({"meta": meta, "rows": list(rows.values())}, indent=1))
+    base = rows.get("1", {}).get("step_ms")
+    lines = [
+        "# End-to-end ladder (hybrid-1.5B, one GPU)", "",
+        f"- date {meta['date']}, device {meta['device']}, "
+        + ", ".join(f"{k} {meta[k]}" for k in ("torch", "triton", "cudnn", "megatron-core", "fla-core", "tilelang")
+                    if k in meta),
+        f"- recipe `{meta['recipe']}` {' '.join(meta['overrides'])}; {meta['steps']} steps per rung, timing = median of "
+        f"the steps after the first {meta['warmup']}",
+        f"- command: `{meta['command']}`", "",
+        "| rung | what | ms/step | fwd+bwd ms | optimizer ms | opt share | tokens/s | MFU | all-SDPA MFU "
+        "| vs rung 1 | breaks | graphs | recompiles | peak GiB | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows.values():
+        if "error" in row:
+            lines.append(f"| {row['rung']} | {row['label']} | failed: {row['error']} |" + " |" * 12)
+            continue
+        speedup = f"{base / row['step_ms']:.2f}x" if base else ""
+        lines.append(
+            f"| {row['rung']} | {row['label']} | {row['step_ms']:.1f} | {row['fwd_bwd_ms']:.1f} "
+            f"| {row['optimizer_ms']:.1f} | {row['optimizer_share']:.1%} | {row['tokens_per_s']:,.0f} "
+            f"| {_fmt(row.get('mfu'), '.1%')} | {_fmt(row.get('mfu_all_sdpa'), '.1%')} | {speedup} "
+            f"| {row.get('graph_breaks', '')} | {row.get('graphs', '')} | {row.get('recompiles', '')} "
+            f"| {_fmt(row.get('peak_memory_gib'), '.1f')} | {row['losses'][-1]:.4f} |")
+    if "4" in rows and "6" in rows and "step_ms" in rows["4"] and "step_ms" in rows["6"]:
+        lines += ["", f"Our Muon step vs the AdamW step on our spec (rung 6 / rung 4): "
+                      f"{rows['6']['step_ms'] / rows['4']['step_ms']:.3f}x"]
+    agreement = loss_agreement(rows)
+    if agreement:
+        lines += ["", "Loss agreement (same init, same batches; bf16):", "",
+                  "| rungs | what | max abs. loss difference | final losses |", "|---|---|---|---|", *agreement]
+    md_path.write_text("\n".join(lines) + "\n")
+
+
+def write_profile(path: Path, rung, run_steps, top: int = 30) -> None:
+    """Kernel-time table of two training steps of `rung` (device time, sorted), to show where the step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        run_steps()
+    sort_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    events = prof.key_averages()
+    table = events.table(sort_by=sort_key, row_limit=top, max_name_column_width=90)
+    total_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    path.write_text(f"# Kernel profile: rung {rung.key} ({rung.label}), two steps\n\n"
+                    f"Total self device time: {total_us / 1e3:.1f} ms\n\n```\n{table}\n```\n")

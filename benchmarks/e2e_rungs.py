@@ -1,0 +1,103 @@
+"""The rungs of the end-to-end ladder and the upstream (megatron-core only) hybrid spec they start from.
+
+Each rung is cumulative over the one before it:
+  1 upstream       megatron-core modules only: its GatedDeltaNet (FLA kernels inside) and its local
+                   DotProductAttention (megatron's attention when Transformer Engine is absent), AdamW, eager
+  2 +cudnn-attn    attention through torch SDPA pinned to cuDNN
+  3 +compile       torch.compile of the model's forward
+  4 +our-gdn       our hybrid spec: compile-friendly GDN custom ops, compilable row-parallel linear
+  5 mcore-muon     AdamW -> megatron-core's own Muon (TensorParallelMuon), on the Muon-eligible matrices
+  6 our-muon       -> our Muon (MegaBatch, batched orthogonalization)
+`4e` (our spec, eager, AdamW) is an extra rung: it isolates the compile gain on our spec and gives the
+eager-vs-compiled loss comparison.
+
+megatron-core 0.19.2's own hybrid spec (`hybrid_stack_spec`) is built from Transformer Engine modules, so without TE
+the upstream rungs put megatron-core's `GatedDeltaNet` into megatron's local (non-TE) GPT layer; with TE installed the
+difference between the two is the fused pre-norm, not the GDN or attention kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rung:
+    key: str
+    label: str
+    spec: str  # "upstream" or "ours"
+    attention: str  # "megatron-local" or "cudnn"
+    compiled: bool
+    optimizer: str  # registered megatron optimizer name
+
+
+RUNGS = {
+    "1": Rung("1", "upstream (mcore GDN, local attention, AdamW)", "upstream", "megatron-local", False, "adam"),
+    "2": Rung("2", "+ cuDNN attention", "upstream", "cudnn", False, "adam"),
+    "3": Rung("3", "+ torch.compile", "upstream", "cudnn", True, "adam"),
+    "4e": Rung("4e", "our spec, eager (AdamW)", "ours", "cudnn", False, "adam"),
+    "4": Rung("4", "+ our GDN ops/spec (compiled, AdamW)", "ours", "cudnn", True, "adam"),
+    "5": Rung("5", "AdamW -> megatron-core Muon", "ours", "cudnn", True, "mcore_muon"),
+    "6": Rung("6", "-> our Muon", "ours", "cudnn", True, "muon"),
+}
+DEFAULT_RUNGS = ("1", "2", "3", "4e", "4", "5", "6")
+
+
+def parse_rungs(text: str) -> list[Rung]:
+    """'all' or a comma list such as '1,2,4'."""
+    keys = list(DEFAULT_RUNGS) if text == "all" else [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in RUNGS]
+    if unknown or not keys:
+        raise ValueError(f"unknown rung(s) {unknown or text!r}; choose from {', '.join(RUNGS)} or 'all'")
+    return [RUNGS[k] for k in keys]
+
+
+def upstream_layer_spec(symbol: str, attention: str):
+    """A megatron-core TransformerLayer spec from megatron-core modules only (see the module docstring)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.ssm.gated_delta_net.common import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from megatron_muon.layers.attention import SDPADotProductAttention
+    from megatron_muon.specs.layer_specs import GDN_SYMBOL
+
+    if symbol == GDN_SYMBOL:
+        mixer = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear))
+    else:
+        core = DotProductAttention if attention == "megatron-local" else SDPADotProductAttention
+        mixer = ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                           submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=core,
+                                                              linear_proj=RowParallelLinear))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=WrappedTorchNorm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add))
+
+
+def build_upstream_model(config, pattern: str, attention: str, vocab_size: int, seq_length: int,
+                         untie_embeddings: bool, rotary_base: int):
+    """A GPTModel whose layers follow `pattern` with megatron-core's modules only."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_muon.specs.hybrid import layer_symbols, use_per_layer_checkpoint_keys
+
+    symbols = layer_symbols(pattern, config.num_layers)
+    use_per_layer_checkpoint_keys(config, symbols)
+    specs = {s: upstream_layer_spec(s, attention) for s in set(symbols)}
+    block = TransformerBlockSubmodules(layer_specs=[specs[s] for s in symbols], layer_norm=WrappedTorchNorm)
+    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=vocab_size,
+                    max_sequence_length=seq_length, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=not untie_embeddings, rotary_base=rotary_base)
