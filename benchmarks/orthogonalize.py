@@ -5,7 +5,7 @@ Methods: torch.optim.Muon's per-matrix NS (its internal `_zeropower_via_newtonsc
 iteration 2, and megatron-core's emerging_optimizers `newton_schulz` (per matrix, fp32 input as Megatron passes it;
 once with fp32 GEMMs, once in its bf16 mode). Inputs are pre-stacked per shape (stacking is the optimizer's job).
 
-    python benchmarks/orthogonalize.py --out benchmarks/results/orthogonalize.md [--auto-sweep FILE]
+    python benchmarks/orthogonalize.py --out benchmarks/results/orthogonalize.md [--auto-sweep FILE] [--kernels]
 
 Effective TFLOP/s = FLOPs of standard NS with full GEMMs (the work torch.optim.Muon does) / time, so it compares
 methods on equal terms; "achieved" counts what the method executes (symmetric products at half).
@@ -221,6 +221,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="markdown result for the reference set")
     parser.add_argument("--auto-sweep", type=Path, help="also write the standard-vs-Gram aspect sweep here")
+    parser.add_argument("--kernels", action="store_true", help="append the Triton-vs-cuBLAS symmetric product table")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
@@ -233,6 +234,8 @@ def main():
         title = "# Standard vs Gram NS by aspect ratio (auto rule)\n\n"
         args.auto_sweep.write_text(title + "\n".join(head + [""] + sweep) + "\n")
     lines, totals = run_reference_set(args)
+    if args.kernels:
+        lines += ["", "Symmetric products alone:", ""] + kernel_lines(args)
     base = totals["torch.optim.Muon NS"]
     summary = [f"- whole set, {name}: {ms:.2f} ms = {ms / base:.3f}× torch.optim.Muon" for name, ms in totals.items()]
     title = "# Orthogonalization of the reference set (96 matrices)\n\n"

@@ -1,8 +1,9 @@
 """Muon as a `torch.optim.Optimizer`, updating parameters grouped by matrix shape ("MegaBatch").
 
-Each step: foreach momentum per param group, then one batched Newton–Schulz per shape bucket (matrices of equal
-shape from any layer, expert or fused part), then foreach parameter updates with the shape's scale folded into
-the step size. The bucket plan is built lazily in `step()` and rebuilt whenever the set of parameters with
+Each step: foreach momentum-buffer EMA per param group, then per shape bucket (matrices of equal shape from any
+layer, expert or fused part) the nesterov blend written straight into one stacked bf16 NS input, one batched
+Newton–Schulz returning its fp16 result, and in-place parameter updates with the shape's scale folded into the
+step size. No fp32 copy of the updates is materialized between those passes. The bucket plan is built lazily in `step()` and rebuilt whenever the set of parameters with
 gradients changes, because Megatron narrows param groups and swaps in fp32 master copies after construction.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_muon.kernels import resolve_coefficients
-from megatron_muon.kernels.newton_schulz import METHODS
+from megatron_muon.kernels.newton_schulz import METHODS, work_dtype
 from megatron_muon.optimizer import muon_math
 from megatron_muon.optimizer.routing import (
     MatrixLayout,
@@ -231,7 +232,10 @@ class Muon(torch.optim.Optimizer):
             "changed. Skip this step (or lower the learning rate / enable loss scaling) and zero the gradients."
         )
 
-    def _orthogonalize_bucket(self, bucket: _Bucket, stacked: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    def _orthogonalize_bucket(
+        self, bucket: _Bucket, stacked: torch.Tensor, narrow_result: bool = False
+    ) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Batched NS of one bucket; `narrow_result` keeps the iteration dtype for fp32 targets (no widened copy)."""
         group = self.param_groups[bucket.group_index]
         full = stacked
         if bucket.tp_group is not None:
@@ -239,6 +243,7 @@ class Muon(torch.optim.Optimizer):
         ortho = muon_math.orthogonal_update(
             full, ns_steps=group["ns_steps"], coefficients=group["coefficients"], method=group["method"],
             eps=group["eps"], compute_dtype=self.compute_dtype,
+            out_dtype=work_dtype(full, group["method"], self.compute_dtype) if narrow_result else None,
         )
         full_shape = tuple(full.shape[-2:])
         if bucket.tp_group is not None:
@@ -267,8 +272,8 @@ class Muon(torch.optim.Optimizer):
             self._check_grads_finite(params, grads, group_of)
         plan = self._plan(params, group_of)
 
-        # Momentum and weight decay, foreach per param group.
-        updates: list[torch.Tensor | None] = [None] * len(params)
+        # Momentum buffers and weight decay, foreach per param group.
+        sources: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(params)
         for group_index, group in enumerate(self.param_groups):
             members = [i for i, g in enumerate(group_of) if g == group_index]
             if not members:
@@ -278,34 +283,51 @@ class Muon(torch.optim.Optimizer):
             if group["weight_decay_mode"] == "l2":
                 group_grads = muon_math.l2_regularized(group_grads, group_params, group["weight_decay"])
             buffers = [self._momentum_buffer(p) for p in group_params]
-            group_updates = muon_math.momentum_update_(group_grads, buffers, group["momentum"], group["nesterov"])
-            for i, update in zip(members, group_updates):
-                updates[i] = update
+            muon_math.momentum_buffers_update_(group_grads, buffers, group["momentum"])
+            for i, grad, buffer in zip(members, group_grads, buffers):
+                sources[i] = (grad, buffer)
             muon_math.apply_weight_decay_(
                 group_params, lr=group["lr"], weight_decay=group["weight_decay"], mode=group["weight_decay_mode"]
             )
 
-        # One orthogonalize per bucket, then foreach updates per (bucket, param group).
         for bucket in plan.buckets:
-            sources, targets, owners = [], [], []
-            for index, piece_index in bucket.items:
-                layout = plan.layouts[index]
-                sources.append(piece_as_matrices(piece_views(updates[index], layout)[piece_index]))
-                targets.append(piece_views(params[index], layout)[piece_index])
-                owners.append(group_of[index])
-            stacked = sources[0] if len(sources) == 1 else torch.cat(sources)
-            ortho, full_shape = self._orthogonalize_bucket(bucket, stacked)
+            stacked = self._stack_updates(bucket, plan, sources)
+            # 16-bit parameters keep the stack-dtype result: their rounding then matches the distributed owners'.
+            narrow = all(params[index].dtype == torch.float32 for index, _ in bucket.items)
+            ortho, full_shape = self._orthogonalize_bucket(bucket, stacked, narrow_result=narrow)
             by_group: dict[int, tuple[list, list]] = {}
             offset = 0
-            for target, owner in zip(targets, owners):
+            for index, piece_index in bucket.items:
+                target = piece_views(params[index], plan.layouts[index])[piece_index]
                 count = target.shape[0]
-                chunk = ortho[offset : offset + count].view(target.shape)
+                chunk = ortho[offset : offset + count].reshape(target.shape)
                 offset += count
-                by_group.setdefault(owner, ([], []))
-                by_group[owner][0].append(target)
-                by_group[owner][1].append(chunk)
+                by_group.setdefault(group_of[index], ([], []))
+                by_group[group_of[index]][0].append(target)
+                by_group[group_of[index]][1].append(chunk)
             for owner, (group_targets, chunks) in by_group.items():
                 group = self.param_groups[owner]
                 scale = muon_math.update_scale(full_shape, group["scale_mode"], group["extra_scale"])
                 muon_math.apply_updates_(group_targets, chunks, lr=group["lr"], scale=scale)
         return loss
+
+    def _stack_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        return muon_math.stack_dtype(grad_dtype, self.compute_dtype)
+
+    def _stack_updates(self, bucket: _Bucket, plan: _Plan, sources) -> torch.Tensor:
+        """The bucket's momentum updates as one [b, rows, cols] NS input, each blended straight into its slot."""
+        pieces = []
+        for index, piece_index in bucket.items:
+            grad, buffer = sources[index]
+            layout = plan.layouts[index]
+            pieces.append((index, piece_views(grad, layout)[piece_index], piece_views(buffer, layout)[piece_index]))
+        dtype = self._stack_dtype(pieces[0][1].dtype)
+        count = sum(piece.shape[0] for _, piece, _ in pieces)
+        stacked = torch.empty((count, *bucket.shape), dtype=dtype, device=pieces[0][1].device)
+        offset = 0
+        for index, grad_piece, buffer_piece in pieces:
+            group = self.param_groups[plan.group_of[index]]
+            slot = stacked[offset : offset + grad_piece.shape[0]].view(grad_piece.shape)
+            offset += grad_piece.shape[0]
+            muon_math.nesterov_into_(grad_piece, buffer_piece, slot, group["momentum"], group["nesterov"])
+        return stacked

@@ -64,6 +64,40 @@ def momentum_update_(
     return list(bufs_as_grad)
 
 
+def momentum_buffers_update_(grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], momentum: float) -> None:
+    """The EMA half of `momentum_update_`: buf ← buf + (1-β)(g - buf), foreach, in the buffers' dtype."""
+    if not grads:
+        return
+    same_dtype = all(g.dtype == b.dtype for g, b in zip(grads, momentum_buffers))
+    grads_as_buf = grads if same_dtype else [g.to(b.dtype) for g, b in zip(grads, momentum_buffers)]
+    torch._foreach_lerp_(momentum_buffers, grads_as_buf, 1.0 - momentum)
+
+
+def nesterov_into_(grad: torch.Tensor, buffer: torch.Tensor, out: torch.Tensor, momentum: float, nesterov: bool):
+    """The update half of `momentum_update_`, written straight into `out` (a slot of the stacked NS input).
+
+    Same math and rounding as `momentum_update_` followed by a copy into `out` (any dtype), without the
+    intermediate update tensor: one pass reads gradient and buffer and writes the (narrower) stack.
+    """
+    buffer = buffer if buffer.dtype == grad.dtype else buffer.to(grad.dtype)
+    if nesterov:
+        torch.lerp(grad, buffer, momentum, out=out)
+    else:
+        out.copy_(buffer)
+
+
+def stack_dtype(update_dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """dtype of the stacked Newton–Schulz input: bf16 for fp32 updates unless an fp32 iteration was asked for.
+
+    The stack only feeds a normalization into the fp16/bf16 iteration, so storing it in bf16 (torch.optim.Muon's
+    NS input dtype, full fp32 range) halves the bytes written and read; an explicit fp32 compute_dtype keeps fp32
+    so that a near-exact iteration stays near-exact.
+    """
+    if update_dtype == torch.float32 and (compute_dtype is None or compute_dtype.itemsize < 4):
+        return torch.bfloat16
+    return update_dtype
+
+
 def l2_regularized(grads: list[torch.Tensor], params: list[torch.Tensor], weight_decay: float) -> list[torch.Tensor]:
     """Classic L2 weight decay: g + λ·p (new tensors; the caller's gradients stay untouched)."""
     if weight_decay == 0.0 or not grads:
@@ -89,10 +123,13 @@ def orthogonal_update(
     method: str = "auto",
     eps: float = 1e-7,
     compute_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Batched Newton–Schulz of a [b, m, n] (or [m, n]) stack of momentum updates; same shape and dtype."""
+    """Batched Newton–Schulz of a [b, m, n] (or [m, n]) stack of momentum updates; same shape, dtype `out_dtype`
+    (default: the stack's)."""
     return orthogonalize(
-        stacked, steps=ns_steps, coefficients=coefficients, method=method, eps=eps, compute_dtype=compute_dtype
+        stacked, steps=ns_steps, coefficients=coefficients, method=method, eps=eps, compute_dtype=compute_dtype,
+        out_dtype=out_dtype,
     )
 
 
@@ -124,12 +161,18 @@ def scaled_orthogonal_update(
 
 
 def apply_updates_(targets: list[torch.Tensor], updates: list[torch.Tensor], *, lr: float, scale: float) -> None:
-    """targets ← targets - lr·scale·updates (foreach; targets may be strided views into parameters)."""
+    """targets ← targets - lr·scale·updates (targets may be strided views into parameters).
+
+    Updates in a narrower dtype (the fp16 NS result) are added per tensor with in-place type promotion, which
+    computes in the target's precision exactly as a widened copy would, without materializing that copy.
+    """
     if not targets:
         return
-    if any(u.dtype != t.dtype for t, u in zip(targets, updates)):
-        updates = [u.to(t.dtype) for t, u in zip(targets, updates)]
-    torch._foreach_add_(targets, updates, alpha=-lr * scale)
+    if all(u.dtype == t.dtype for t, u in zip(targets, updates)):
+        torch._foreach_add_(targets, updates, alpha=-lr * scale)
+        return
+    for target, update in zip(targets, updates):
+        target.add_(update, alpha=-lr * scale)
 
 
 # ---- fused projections: rows of a weight hold several matrices (QKV per query group, GDN in_proj sections) ----

@@ -102,3 +102,15 @@ def test_user_errors_say_how_to_fix():
         orthogonalize(torch.randn(4, 4), coefficients="cubic")
     with pytest.raises(ValueError, match="backend"):
         orthogonalize(torch.randn(4, 4), backend="cuda")
+
+
+@pytest.mark.parametrize("shape", [(2, 12, 40), (2, 40, 12), (70, 20)])  # 70 and 40 pad to 128 / 64 columns
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_out_dtype_is_the_unwidened_result(shape, method):
+    from megatron_muon.kernels.newton_schulz import work_dtype
+
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    narrow = orthogonalize(G, method=method, out_dtype=work_dtype(G, method))
+    assert narrow.dtype == torch.float16 and narrow.shape == G.shape
+    assert torch.equal(narrow.to(G.dtype), orthogonalize(G, method=method))
+    assert orthogonalize(G[..., :0, :], out_dtype=torch.float16).dtype == torch.float16

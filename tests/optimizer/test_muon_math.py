@@ -96,3 +96,38 @@ def test_scaled_orthogonal_update_is_scale_times_orthogonal_update():
     ortho = muon_math.orthogonal_update(stack, **kwargs)
     scaled = muon_math.scaled_orthogonal_update(stack, scale_mode="spectral", extra_scale=2.0, **kwargs)
     torch.testing.assert_close(scaled, ortho * (2.0 * math.sqrt(24)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_momentum_equals_momentum_update_bitwise(nesterov, buffer_dtype):
+    """EMA + blend straight into a stack slot == momentum_update_ then a copy (same rounding), in fp32 and bf16 slots."""
+    generator = torch.Generator().manual_seed(7)
+    grads = [torch.randn(6, 10, generator=generator), torch.randn(6, 10, generator=generator)]
+    start = [torch.randn(6, 10, generator=generator).to(buffer_dtype) for _ in grads]
+    want_bufs = [b.clone() for b in start]
+    want = muon_math.momentum_update_(grads, want_bufs, 0.9, nesterov)
+    bufs = [b.clone() for b in start]
+    muon_math.momentum_buffers_update_(grads, bufs, 0.9)
+    for slot_dtype in (torch.float32, torch.bfloat16):
+        stack = torch.empty(2, 6, 10, dtype=slot_dtype)
+        for i, (g, b) in enumerate(zip(grads, bufs)):
+            muon_math.nesterov_into_(g, b, stack[i], 0.9, nesterov)
+        for got, expected in zip(stack, want):
+            assert torch.equal(got, expected.to(slot_dtype))
+    for got, expected in zip(bufs, want_bufs):
+        assert torch.equal(got, expected)
+
+
+def test_narrow_updates_add_like_widened_copies():
+    generator = torch.Generator().manual_seed(8)
+    targets = [torch.randn(5, 7, generator=generator), torch.randn(3, 7, generator=generator)[:, :4]]
+    updates = [torch.randn(t.shape, generator=generator).half() for t in targets]
+    widened = [t.clone() for t in targets]
+    muon_math.apply_updates_(widened, [u.float() for u in updates], lr=0.1, scale=2.0)
+    muon_math.apply_updates_(targets, updates, lr=0.1, scale=2.0)
+    for got, expected in zip(targets, widened):
+        assert torch.equal(got, expected)
+    assert muon_math.stack_dtype(torch.float32, None) == torch.bfloat16
+    assert muon_math.stack_dtype(torch.float32, torch.float32) == torch.float32
+    assert muon_math.stack_dtype(torch.float16, None) == torch.float16
