@@ -8,8 +8,11 @@ Variants, each timed on the same random input [B=1, T, hidden=2048] in bf16 (hyb
 Compiled variants report Dynamo's graph-break count and number of graphs. Ours and megatron-core share the
 parameter layout, so ours is also checked against megatron-core's output on the same weights.
 
-    python benchmarks/gdn.py --out benchmarks/results/gdn.md
+    python benchmarks/gdn.py --out benchmarks/results/gdn.md --profile
     python benchmarks/gdn.py --device cpu --seq-len 128 --tiny      # smoke run of the script itself (torch backend)
+
+--profile adds, for our compiled layer and FLA's eager layer, a torch.profiler table of the kernels that take the
+most time per fwd+bwd step (CPU ops when run on the CPU), so the report shows where the time goes.
 """
 
 from __future__ import annotations
@@ -21,15 +24,20 @@ import statistics
 import sys
 import time
 import traceback
-from importlib import metadata
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_env import package_versions  # noqa: E402
 
 REFERENCE = dict(hidden=2048, key_heads=6, value_heads=6, key_dim=256, value_dim=512, conv=4)
 TINY = dict(hidden=64, key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv=4)
+PROFILED = ("ours compiled", "fla eager")
+PROFILE_STEPS = 3
 
 
 def timed_ms(fn, device: str, warmup: int, reps: int) -> tuple[float, float]:
@@ -131,7 +139,7 @@ def build_megatron_core(config):
     submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
                                          out_proj=RowParallelLinear)
     return GatedDeltaNet(config, submodules, layer_number=1,
-                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())  # caller moves it to the GPU
 
 
 def build_fla(sizes: dict, device: str):
@@ -160,16 +168,60 @@ def compile_stats():
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
-def run_variant(name, make_step, device, args, compiled=False):
+def kernel_table(step, device: str, steps: int = PROFILE_STEPS) -> list[tuple[str, float, float]]:
+    """(name, calls per step, ms per step) of every GPU kernel (CPU op on the CPU) over `steps` profiled steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    totals = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if device == "cuda" and event.device_type != DeviceType.CUDA:
+            continue
+        micros = event.time_range.elapsed_us() if device == "cuda" else event.self_cpu_time_total
+        totals[event.name][0] += 1
+        totals[event.name][1] += micros
+    rows = [(name, calls / steps, micros / steps / 1e3) for name, (calls, micros) in totals.items()]
+    return sorted(rows, key=lambda row: -row[2])
+
+
+def profile_markdown(name: str, rows, step_ms: float | None, top: int) -> list[str]:
+    total = sum(row[2] for row in rows)
+    lines = ["", f"### Where the time goes: {name} (top {top} of {len(rows)} kernels, per fwd+bwd step, "
+                 f"{PROFILE_STEPS} profiled steps)", "",
+             f"Sum of all kernel times {total:.2f} ms per step"
+             + (f"; timed step {step_ms:.2f} ms (the difference is time the GPU waits)." if step_ms else "."), "",
+             "| kernel | calls/step | ms/step | share |", "|---|---:|---:|---:|"]
+    for kernel, calls, ms in rows[:top]:
+        label = kernel.replace("|", "\\|")
+        label = label if len(label) <= 110 else label[:107] + "..."
+        lines.append(f"| `{label}` | {calls:g} | {ms:.3f} | {ms / total:.1%} |")
+    return lines
+
+
+def run_variant(name, make_step, device, args, compiled=False, profiles=None):
     row = dict(name=name)
     try:
         if compiled:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
         step = make_step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
         row["first_ms"], row["ms"] = timed_ms(step, device, args.warmup, args.reps)
+        if device == "cuda":
+            row["peak_mib"] = (torch.cuda.max_memory_allocated() - baseline) / 2**20
         if compiled:
             row["breaks"], row["graphs"] = compile_stats()
+        if profiles is not None and name in PROFILED:
+            profiles[name] = profile_markdown(name, kernel_table(step, device), row["ms"], args.profile_top)
     except Exception as error:  # one broken baseline must not hide the others
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
         traceback.print_exc()
@@ -187,16 +239,6 @@ def compare_to_megatron_core(ours, reference, x) -> str:
     return f"{error:.2e} (missing keys {list(missing.missing_keys)})"
 
 
-def versions() -> dict[str, str]:
-    found = {"torch": torch.__version__}
-    for name in ("triton", "fla-core", "tilelang", "megatron-core"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = "not installed"
-    return found
-
-
 def write_report(path, rows, meta, args, echo=True):
     fla_times = [r["ms"] for r in rows if r["name"].startswith("fla") and "ms" in r]
     best_fla = min(fla_times) if fla_times else None
@@ -210,22 +252,27 @@ def write_report(path, rows, meta, args, echo=True):
         f"- ours vs megatron-core output on the same weights: rel. error {meta.get('agreement', 'n/a')}",
         "- 'ours' times the local spec's GDN with out_proj's RowParallelLinear passing its own tp group; the spec as "
         f"shipped has graph breaks: {meta.get('shipped_breaks', 'same layer, see the table')}", "",
-        "| variant | fwd+bwd ms | vs faster FLA | graph breaks | graphs | first call ms |",
-        "|---|---:|---:|---:|---:|---:|",
+        "- peak MiB: memory allocated above the inputs and parameters during the timed steps (activations kept "
+        "for backward and temporaries)", "",
+        "| variant | fwd+bwd ms | vs faster FLA | graph breaks | graphs | first call ms | peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | |")
             continue
         ratio = f"{best_fla / r['ms']:.3f}x" if best_fla else "n/a"
+        peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else "-"
         lines.append(f"| {r['name']} | {r['ms']:.2f} | {ratio} | {r.get('breaks', '-')} | {r.get('graphs', '-')} | "
-                     f"{r['first_ms']:.0f} |")
+                     f"{r['first_ms']:.0f} | {peak} |")
     ours = next((r for r in rows if r["name"] == "ours compiled" and "ms" in r), None)
     if ours and best_fla:
         speedup = best_fla / ours["ms"]
         verdict = "met" if speedup >= 1.15 and ours.get("breaks") == 0 else "NOT met"
         lines += ["", f"Target (compiled ours >= 1.15x the faster FLA variant, 0 graph breaks): {verdict} "
                       f"({speedup:.3f}x, {ours.get('breaks')} graph breaks)."]
+    for name in PROFILED:
+        lines += (meta.get("profiles") or {}).get(name, [])
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(lines) + "\n")
     if echo:
@@ -241,6 +288,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (script smoke test)")
     parser.add_argument("--skip", default="", help="comma-separated variant prefixes to skip")
     parser.add_argument("--out", default="benchmarks/results/gdn.md")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"add top-kernel tables for {' and '.join(PROFILED)} to the report")
+    parser.add_argument("--profile-top", type=int, default=20, help="kernels listed per profile table")
     args = parser.parse_args()
     sizes = TINY if args.tiny else REFERENCE
     device = args.device
@@ -252,10 +302,11 @@ def main() -> None:
     x = torch.randn(1, args.seq_len, sizes["hidden"], device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     config = megatron_config(sizes, device)
-    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), versions=versions(), sizes=sizes,
-                device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), versions=package_versions(),
+                sizes=sizes, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 command="python " + " ".join(sys.argv))
     meta["backend"] = selected_backend() if device == "cuda" else "torch (cpu)"
+    meta["profiles"] = profiles = {} if args.profile else None
     rows = []
 
     def record(row):  # rewrite the report after every variant so a run cut short still leaves its numbers
@@ -271,7 +322,7 @@ def main() -> None:
     if not any(s.startswith("ours") for s in skip):
         record(run_variant("ours eager", lambda: fwd_bwd(ours, x, grad, True), device, args))
         record(run_variant("ours compiled", lambda: fwd_bwd(torch.compile(ours), x, grad, True), device, args,
-                                compiled=True))
+                           compiled=True, profiles=profiles))
     if "fla" not in skip:
         fla = None
 
@@ -280,14 +331,23 @@ def main() -> None:
             fla = fla or build_fla(sizes, device)
             return fwd_bwd(torch.compile(fla) if compiled else fla, x, grad, False)
 
-        record(run_variant("fla eager", lambda: make_fla(False), device, args))
+        record(run_variant("fla eager", lambda: make_fla(False), device, args, profiles=profiles))
         record(run_variant("fla compiled", lambda: make_fla(True), device, args, compiled=True))
+    if not any(s.startswith("ours") for s in skip):  # the memory-saving setting, after the baselines
+
+        def make_ours_recomputing():
+            ours.keep_chunk_states = False
+            return fwd_bwd(torch.compile(ours), x, grad, True)
+
+        record(run_variant("ours compiled, chunk states recomputed", make_ours_recomputing, device, args,
+                           compiled=True))
+        ours.keep_chunk_states = True
     if "megatron" not in skip:
         reference = None
 
         def make_megatron():
             nonlocal reference
-            reference = build_megatron_core(config)
+            reference = build_megatron_core(config).to(x.device)  # its torch RMSNorm is built on the CPU
             return fwd_bwd(reference, x, grad, True)
 
         record(run_variant("megatron-core eager (local)", make_megatron, device, args))

@@ -1,7 +1,8 @@
 """Thin calls into flash-linear-attention 0.6's kernels (the fla-triton / fla-tilelang backends).
 
-We call FLA's forward/backward functions directly (not its autograd.Functions, which are wrapped in
-``torch.compiler.disable``) so that our custom ops own autograd and the compiled graph never breaks. FLA's own
+We call FLA's kernel launchers directly (not its autograd.Functions, which are wrapped in
+``torch.compiler.disable``) so that our custom ops own autograd and the compiled graph never breaks, and so the
+forward can hand its chunk states to the backward instead of recomputing them. FLA's own
 dispatch picks TileLang for the gated backward on Hopper when the fla-tilelang backend was selected.
 Imports are lazy: this module is only touched when a CUDA op runs with an FLA backend.
 """
@@ -9,6 +10,9 @@ Imports are lazy: this module is only touched when a CUDA op runs with an FLA ba
 import torch
 
 CHUNK_SIZE = 64
+# Recurrent state stored [V, K] inside the kernels (FLA's own layers run this way, so both share kernels and autotune
+# entries); our API keeps [N, HV, K, V] and transposes the few [N, HV, ., .] boundary states.
+STATE_V_FIRST = True
 
 
 def _contiguous(*tensors):
@@ -23,34 +27,87 @@ def _chunk_indices(cu_seqlens):
     return prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
 
 
-def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """(o, final_state or empty, g_cumsum (log2 space, FLA-private), A = (I + Akk)^-1) from FLA's chunk kernels."""
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+def _state_layout(state):
+    """Our [N, HV, K, V] <-> the kernels' layout (a transpose either way when V-first)."""
+    return None if state is None else (state.transpose(-1, -2) if STATE_V_FIRST else state).contiguous()
 
-    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+
+def chunk_states_shape(batch, seq_len, value_heads, key_dim, value_dim):
+    """Shape of the per-chunk states ``h`` the forward can keep for the backward (not for varlen)."""
+    num_chunks = -(-seq_len // CHUNK_SIZE)
+    inner = (value_dim, key_dim) if STATE_V_FIRST else (key_dim, value_dim)
+    return (batch, num_chunks, value_heads, *inner)
+
+
+def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_states):
+    """(o, final_state or empty, g_cumsum (log2 space), A = (I + Akk)^-1, w, h, v_new) from FLA's chunk kernels.
+
+    The same four kernels as FLA's ``chunk_gated_delta_rule_fwd``; with ``keep_states`` (equal-length batches
+    only) w, the per-chunk states h and the corrected values v_new are returned so the backward does not
+    recompute them; otherwise those three are empty and the backward recomputes them as FLA does.
+    """
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    q, k, v, g, beta = _contiguous(q, k, v, g, beta)
+    chunk_indices = _chunk_indices(cu_seqlens)
     with torch.cuda.device(q.device):
-        g_cumsum, o, a_inverse, final_state, _, _ = chunk_gated_delta_rule_fwd(
-            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=_chunk_indices(cu_seqlens),
-            chunk_size=CHUNK_SIZE,
+        g_cumsum = chunk_local_cumsum(g, chunk_size=CHUNK_SIZE, scale=RCP_LN2, cu_seqlens=cu_seqlens,
+                                      chunk_indices=chunk_indices)
+        w, u, a_inverse = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cumsum, beta=beta, cu_seqlens=cu_seqlens,
+                                                           chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices)
+        h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
+            k=k, w=w, u=u, g=g_cumsum, initial_state=_state_layout(initial_state),
+            output_final_state=output_final_state, chunk_size=CHUNK_SIZE, state_v_first=STATE_V_FIRST,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         )
+        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cumsum, scale=scale, state_v_first=STATE_V_FIRST,
+                        cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices)
+    final_state = _state_layout(final_state)
     if final_state is None:
         final_state = torch.empty(0, dtype=torch.float32, device=q.device)
-    return tuple(t.contiguous() for t in (o.to(v.dtype), final_state.float(), g_cumsum.float(), a_inverse.to(k.dtype)))
+    if not (keep_states and cu_seqlens is None):
+        w, h, v_new = (q.new_empty(0) for _ in range(3))
+    return o.to(v.dtype), final_state.float(), g_cumsum.float(), a_inverse.to(k.dtype), w, h, v_new
 
 
-def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, scale, initial_state, cu_seqlens, do, dht):
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, initial_state, cu_seqlens, do, dht):
+    """FLA's ``chunk_gated_delta_rule_bwd`` without its recomputation when the forward kept w, h and v_new."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
 
-    q, k, v, beta, g_cumsum, a_inverse, initial_state, do, dht = _contiguous(
-        q, k, v, beta, g_cumsum, a_inverse, initial_state, do, dht
-    )
+    q, k, v, beta, g_cumsum, a_inverse, do = _contiguous(q, k, v, beta, g_cumsum, a_inverse, do)
+    h0, dht = _state_layout(initial_state), _state_layout(dht)
+    chunk_indices = _chunk_indices(cu_seqlens)
+    common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     with torch.cuda.device(q.device):
-        dq, dk, dv, dbeta, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
-            q=q, k=k, v=v, g=g_cumsum, beta=beta, A=a_inverse, scale=scale, initial_state=initial_state, do=do,
-            dht=dht, cu_seqlens=cu_seqlens, chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE,
+        if h.numel() == 0:
+            w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a_inverse, g=g_cumsum, **common)
+            h, v_new, _ = chunk_gated_delta_rule_fwd_h(
+                k=k, w=w, u=u, g=g_cumsum, initial_state=h0, output_final_state=False, chunk_size=CHUNK_SIZE,
+                state_v_first=STATE_V_FIRST, **common,
+            )
+        dv = chunk_bwd_dv_local(q=q, k=k, g=g_cumsum, do=do, scale=scale, chunk_size=CHUNK_SIZE, **common)
+        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
+            q=q, k=k, w=w, g=g_cumsum, h0=h0, dht=dht, do=do, dv=dv, scale=scale, state_v_first=STATE_V_FIRST,
+            chunk_size=CHUNK_SIZE, **common,
         )
-    dh0 = torch.empty(0, dtype=q.dtype, device=q.device) if initial_state is None else dh0.to(initial_state.dtype)
+        dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh, scale=scale,
+                                         state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
+        dk2, dv, dbeta, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g_cumsum, A=a_inverse, dw=dw, du=dv,
+                                                  **common)
+        dk.add_(dk2)
+        dg.add_(dg2)
+        dg = chunk_local_cumsum(dg, chunk_size=CHUNK_SIZE, reverse=True, **common)
+    if initial_state is None:
+        dh0 = torch.empty(0, dtype=q.dtype, device=q.device)
+    else:
+        dh0 = _state_layout(dh0).to(initial_state.dtype)
     grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
     return tuple(grad.contiguous() for grad in grads)
 

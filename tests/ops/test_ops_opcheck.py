@@ -13,22 +13,22 @@ def _grad(*tensors):
 
 def _gdn_cases():
     q, k, v, g, beta, h0 = gdn_inputs(2, 70, 1, 2, 8, 8, seed=11)
-    yield "fixed", (*_grad(q, k, v, g, beta), 0.5, _grad(h0)[0], True, None)
-    yield "no-state", (*_grad(q, k, v, g, beta), 0.5, None, False, None)
+    yield "fixed", (*_grad(q, k, v, g, beta), 0.5, _grad(h0)[0], True, None, True)
+    yield "no-state", (*_grad(q, k, v, g, beta), 0.5, None, False, None, False)
     q, k, v, g, beta, h0 = gdn_inputs(1, 50, 1, 1, 8, 8, num_states=2, seed=12)
-    yield "varlen", (*_grad(q, k, v, g, beta), 1.0, _grad(h0)[0], True, torch.tensor([0, 20, 50]))
+    yield "varlen", (*_grad(q, k, v, g, beta), 1.0, _grad(h0)[0], True, torch.tensor([0, 20, 50]), True)
 
 
 @pytest.mark.parametrize("case", list(_gdn_cases()), ids=lambda case: case[0])
 def test_gdn_chunk_ops(case):
     _, args = case
     torch.library.opcheck(gdn.gdn_chunk_fwd, args)
-    q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens = [
+    q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep_states = [
         a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    o, ht, g_cumsum, a_inverse = gdn.gdn_chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
+    o, ht, *private = gdn.gdn_chunk_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep_states)
     dht = torch.randn_like(ht) if output_final_state else None
     torch.library.opcheck(
-        gdn.gdn_chunk_bwd, (q, k, v, g, beta, g_cumsum, a_inverse, scale, h0, cu_seqlens, torch.randn_like(o), dht))
+        gdn.gdn_chunk_bwd, (q, k, v, g, beta, *private, scale, h0, cu_seqlens, torch.randn_like(o), dht))
 
 
 @pytest.mark.parametrize("use_bias, activation, varlen", [(True, "silu", False), (False, None, True)])
