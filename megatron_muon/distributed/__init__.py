@@ -1,7 +1,9 @@
-"""Owner-centric distributed Muon: cost-balanced owners (plan), shard movement (comm), the engine (owner_muon).
+"""Owner-centric distributed Muon: cost-balanced owners (plan), shard movement (comm), gradients reduced to their
+owners (grad_reduce), the engine (owner_muon).
 
 Each matrix is orthogonalized exactly once per step, by one owner chosen among the data- and tensor-parallel
-ranks of its pipeline stage; `megatron_muon.megatron.dist_muon` puts it behind megatron's `dist_muon`.
+ranks of its pipeline stage; `megatron_muon.megatron.dist_muon` puts it behind megatron's `dist_muon` and routes
+megatron DDP's Muon gradients to the owners by reduce-scatter.
 """
 
 from megatron_muon.distributed.plan import (

@@ -1,14 +1,16 @@
 """Moving matrix shards between the ranks of one pipeline stage and the owners that orthogonalize them.
 
 A stage's ranks form a grid: a data-parallel index d and a tensor-parallel index t, slot = d·tp + t. A matrix
-owned by slot (d_o, t_o) is assembled from the TP shards of row d_o only (gradients are identical across rows
-once data-parallel reduction is done), and its update travels back the same way: one all-to-all inside the
-owner's TP row, then one all-gather across rows. Each of the two collectives carries every matrix of the step in
-one flat buffer, so the message count does not grow with the number of matrices.
+owned by slot (d_o, t_o) is assembled from the TP shards of row d_o only (its gradient is only needed there:
+`grad_reduce` reduce-scatters gradients so that only the owner's row holds them reduced), and its update travels
+back the same way: one all-to-all inside the owner's TP row, then one all-gather across rows. The update goes back
+in rounds (one per owner bucket), each a flat buffer, so the message count grows with the number of buckets an
+owner holds, not with the number of matrices, and a round travels while the owner computes the next one.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,6 +39,30 @@ class UnitShard:
         shape = list(self.full_shape)
         shape[self.partition_dim] //= tp_size
         return shape[0], shape[1]
+
+
+class CommCounter:
+    """Elements and calls handed to each kind of collective on this rank (tests and benchmarks read it).
+
+    Kinds: grad_reduce_scatter (Muon gradients to their owner row), grad_all_reduce (what stays all-reduced in a
+    bucket we took over: non-Muon gradients, or everything when megatron forces an all-reduce), grad_all_to_all
+    (TP shards to the owner), update_all_to_all / update_all_gather (orthogonalized updates back to every rank).
+    """
+
+    def __init__(self):
+        self.numel: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def record(self, kind: str, numel: int, element_size: int) -> None:
+        self.numel[kind] += int(numel)
+        self.bytes[kind] += int(numel) * int(element_size)
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        self.numel.clear()
+        self.bytes.clear()
+        self.calls.clear()
 
 
 class StageGrid:
@@ -112,7 +138,8 @@ def _all_gather_flat(flat: torch.Tensor, numels: list[int], group) -> list[torch
 
 
 def gather_to_owners(
-    grid: StageGrid, units: Sequence[UnitShard], owners: Sequence[int], local: Sequence[torch.Tensor]
+    grid: StageGrid, units: Sequence[UnitShard], owners: Sequence[int], local: Sequence[torch.Tensor],
+    counter: CommCounter | None = None,
 ) -> dict[int, torch.Tensor]:
     """Full matrices of the units this rank owns, from every rank's local [rows, cols] shards.
 
@@ -132,6 +159,8 @@ def gather_to_owners(
     mine_sharded = sharded_to[grid.tp_index]
     per_peer = sum(local[u].numel() for u in mine_sharded)
     received = _all_to_all(send, [per_peer] * tp, grid.tp_group, like)
+    if counter is not None:
+        counter.record("grad_all_to_all", sum(s.numel() for s in send), like.element_size())
     full = {u: local[u] for u in mine if units[u].partition_dim is None}
     offsets = [0] * tp
     for u in mine_sharded:
@@ -144,52 +173,100 @@ def gather_to_owners(
     return full
 
 
-def scatter_from_owners(
-    grid: StageGrid, units: Sequence[UnitShard], owners: Sequence[int], owned: dict[int, torch.Tensor],
-    like: torch.Tensor,
-) -> list[torch.Tensor]:
-    """Inverse of `gather_to_owners`: every rank's local [rows, cols] shard of every unit, from the owners' full
-    matrices `owned` ({u: full}); dtype of `like`."""
-    me, row, tp = grid.slot, grid.dp_index, grid.tp_size
-    local_shapes = [unit.local_shape(tp) for unit in units]
+class UpdateDelivery:
+    """Owners' full results (orthogonalized updates, momentum) back to every rank as local shards, in rounds.
 
-    # 1) inside this TP row: each owner hands every peer its slice (or the whole matrix when TP replicates it)
-    if tp == 1:
-        row_parts = {u: owned[u].to(like.dtype) for u in owned}
-    else:
-        mine = [u for u, o in enumerate(owners) if o == me]
+    Round k carries the units passed to the k-th `launch`; every rank of the stage must launch the same rounds
+    with the same unit lists (the plan makes them known everywhere). Inside the owner's TP row the shards move by
+    one all-to-all; across rows by one all-gather that is asynchronous, so an owner can orthogonalize its next
+    bucket while the previous one travels. `finish` waits for every round and returns each unit's local shard.
+    """
+
+    def __init__(self, grid: StageGrid, units: Sequence[UnitShard], owners: Sequence[int], like: torch.Tensor,
+                 counter: CommCounter | None = None):
+        self.grid, self.units, self.owners, self.like = grid, units, owners, like
+        self.counter = counter
+        self.local_shapes = [unit.local_shape(grid.tp_size) for unit in units]
+        self._pending: list[tuple] = []
+        self._result: list[torch.Tensor | None] = [None] * len(units)
+
+    def _numel(self, u: int) -> int:
+        rows, cols = self.local_shapes[u]
+        return rows * cols
+
+    def _row_exchange(self, round_units: Sequence[int], owned: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """This TP row's local shards of the round's units owned in this row (one all-to-all inside the row)."""
+        grid, like, tp = self.grid, self.like, self.grid.tp_size
+        me, row = grid.slot, grid.dp_index
+        if tp == 1:
+            return {u: owned[u].to(like.dtype) for u in round_units if self.owners[u] == me}
+        from_peer = [[u for u in round_units if self.owners[u] == row * tp + peer] for peer in range(tp)]
+        if not any(from_peer):
+            return {}
         send = []
         for peer in range(tp):
-            pieces = [
-                (owned[u] if units[u].partition_dim is None else owned[u].chunk(tp, dim=units[u].partition_dim)[peer])
-                .reshape(-1).to(like.dtype) for u in mine
-            ]
+            pieces = [(owned[u] if self.units[u].partition_dim is None
+                       else owned[u].chunk(tp, dim=self.units[u].partition_dim)[peer]).reshape(-1).to(like.dtype)
+                      for u in from_peer[grid.tp_index]]
             send.append(torch.cat(pieces) if pieces else like.new_empty(0))
-        from_peer = [[u for u, o in enumerate(owners) if o == row * tp + peer] for peer in range(tp)]
-        numels = [sum(local_shapes[u][0] * local_shapes[u][1] for u in us) for us in from_peer]
+        numels = [sum(self._numel(u) for u in us) for us in from_peer]
         received = _all_to_all(send, numels, grid.tp_group, like)
+        if self.counter is not None:
+            self.counter.record("update_all_to_all", sum(numels), like.element_size())
         row_parts = {}
         for peer, us in enumerate(from_peer):
             offset = 0
             for u in us:
-                n = local_shapes[u][0] * local_shapes[u][1]
-                row_parts[u] = received[peer][offset : offset + n].view(local_shapes[u])
+                n = self._numel(u)
+                row_parts[u] = received[peer][offset : offset + n].view(self.local_shapes[u])
                 offset += n
-    if grid.dp_size == 1:
-        return [row_parts[u] for u in range(len(units))]
+        return row_parts
 
-    # 2) across rows: every row shares what its owners produced for this TP column
-    row_units = [[u for u, o in enumerate(owners) if grid.row_of(o) == r] for r in range(grid.dp_size)]
-    numels = [sum(local_shapes[u][0] * local_shapes[u][1] for u in us) for us in row_units]
-    mine_flat = [row_parts[u].reshape(-1) for u in row_units[row]]
-    flat = torch.cat(mine_flat) if mine_flat else like.new_empty(0)
-    gathered = _all_gather_flat(flat, numels, grid.dp_group)
-    result: list[torch.Tensor | None] = [None] * len(units)
-    for r, us in enumerate(row_units):
-        offset = 0
-        for u in us:
-            n = local_shapes[u][0] * local_shapes[u][1]
-            result[u] = gathered[r][offset : offset + n].view(local_shapes[u])
-            offset += n
-    assert all(t is not None for t in result), "a unit has no owner row"
-    return result  # type: ignore[return-value]
+    def launch(self, round_units: Sequence[int], owned: dict[int, torch.Tensor]) -> None:
+        """Start delivering `round_units` (this rank passes the full results of those it owns in `owned`)."""
+        grid = self.grid
+        row_parts = self._row_exchange(round_units, owned)
+        if grid.dp_size == 1:
+            for u, part in row_parts.items():
+                self._result[u] = part
+            return
+        row_units = [[u for u in round_units if grid.row_of(self.owners[u]) == r] for r in range(grid.dp_size)]
+        numels = [sum(self._numel(u) for u in us) for us in row_units]
+        width = max(numels)
+        if width == 0:
+            return
+        padded = self.like.new_zeros(width)
+        mine = [row_parts[u].reshape(-1) for u in row_units[grid.dp_index]]
+        if mine:
+            torch.cat(mine, out=padded[: numels[grid.dp_index]])
+        gathered = self.like.new_empty(width * grid.dp_size)
+        handle = dist.all_gather_into_tensor(gathered, padded, group=grid.dp_group, async_op=True)
+        if self.counter is not None:
+            self.counter.record("update_all_gather", gathered.numel(), gathered.element_size())
+        self._pending.append((handle, gathered, row_units, width))
+
+    def finish(self) -> list[torch.Tensor]:
+        """Every unit's local shard, once all launched rounds have arrived."""
+        for handle, gathered, row_units, width in self._pending:
+            handle.wait()
+            for r, us in enumerate(row_units):
+                offset = r * width
+                for u in us:
+                    n = self._numel(u)
+                    self._result[u] = gathered[offset : offset + n].view(self.local_shapes[u])
+                    offset += n
+        self._pending = []
+        missing = [u for u, t in enumerate(self._result) if t is None]
+        assert not missing, f"units {missing[:5]} were never launched"
+        return self._result  # type: ignore[return-value]
+
+
+def scatter_from_owners(
+    grid: StageGrid, units: Sequence[UnitShard], owners: Sequence[int], owned: dict[int, torch.Tensor],
+    like: torch.Tensor, counter: CommCounter | None = None,
+) -> list[torch.Tensor]:
+    """Inverse of `gather_to_owners`: every rank's local [rows, cols] shard of every unit, from the owners' full
+    matrices `owned` ({u: full}); dtype of `like`. One round of `UpdateDelivery`."""
+    delivery = UpdateDelivery(grid, units, owners, like, counter)
+    delivery.launch(range(len(units)), owned)
+    return delivery.finish()

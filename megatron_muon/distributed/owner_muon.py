@@ -1,11 +1,14 @@
 """Owner-centric distributed Muon: every matrix is orthogonalized exactly once per step, by one owner rank.
 
-Each rank of a pipeline stage holds TP shards of every matrix, replicated across data-parallel rows, with
-gradients already reduced over data parallelism. Per step: shards go to the matrix's owner (one all-to-all inside
-each TP row), the owner keeps the full momentum and runs one batched Newton–Schulz per shape bucket, and the
-orthogonalized update comes back as shards (all-to-all, then one all-gather across rows). Weight decay and the
-update itself are applied locally with the same foreach calls as the single-process `Muon`, so the result matches
-it at any (tp, dp) layout. Owners come from `plan.plan_owners` (cost-balanced, shape buckets kept together).
+Each rank of a pipeline stage holds TP shards of every matrix, replicated across data-parallel rows. Gradients
+must be reduced over data parallelism at least on the owner's row: either all-reduced, or reduce-scattered to
+owner rows by `grad_reduce.OwnerReduceScatter` (what `dist_muon` installs into megatron's DDP). Per step: shards go
+to the matrix's owner (one all-to-all inside each TP row), the owner keeps the full momentum and runs one batched
+Newton–Schulz per shape bucket, and each bucket's orthogonalized update starts back as soon as it is done
+(`comm.UpdateDelivery`: all-to-all, then an asynchronous all-gather across rows) while the owner works on its next
+bucket and every rank applies weight decay. The update is applied locally with the same foreach calls as the
+single-process `Muon`, so the result matches it at any (tp, dp) layout. Owners come from `plan.plan_owners`
+(cost-balanced, shape buckets kept together).
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_muon.distributed.comm import StageGrid, UnitShard, gather_to_owners, scatter_from_owners
+from megatron_muon.distributed.comm import (
+    CommCounter,
+    StageGrid,
+    UnitShard,
+    UpdateDelivery,
+    gather_to_owners,
+    scatter_from_owners,
+)
 from megatron_muon.distributed.plan import (
     AnalyticCost,
     CostModel,
@@ -26,6 +36,7 @@ from megatron_muon.distributed.plan import (
     rank_loads,
 )
 from megatron_muon.distributed.profile import profiled_cost
+from megatron_muon.kernels.newton_schulz import work_dtype
 from megatron_muon.optimizer import muon_math
 from megatron_muon.optimizer.muon import Muon, _freeze
 from megatron_muon.optimizer.routing import piece_as_matrices, piece_matrix_shape, piece_views
@@ -71,6 +82,8 @@ class OwnerMuon(Muon):
         self.plan_method, self.plan_time_limit_s = plan_method, plan_time_limit_s
         self.owner_momentum: dict[int, torch.Tensor] = {}  # unit index -> full momentum, on its owner only
         self.orthogonalized_matrices = 0  # matrices this rank has run Newton–Schulz on (tests count these)
+        self.comm_counter = CommCounter()  # what this engine (and a gradient reduction set up for it) sent
+        self._plan_frozen = False  # gradients are routed by this plan outside the optimizer: it must not change
         self._units_key = None
         self._units: list[_Unit] = []
         self.owner_plan: OwnerPlan | None = None
@@ -94,6 +107,9 @@ class OwnerMuon(Muon):
         key = tuple(zip(map(id, params), group_of))
         if self._units_key == key:
             return
+        if self._plan_frozen:
+            raise ValueError("the Muon parameters changed after their gradient reduction was set up by owner; "
+                             "rebuild the optimizer (and its dist_muon gradient reduction) for the new parameters")
         experts = [getattr(p, "allreduce", True) is False for p in params]
         if any(experts) and not all(experts):
             raise ValueError("OwnerMuon got expert weights (allreduce=False) and dense weights in one optimizer; "
@@ -148,6 +164,30 @@ class OwnerMuon(Muon):
     def owners(self) -> tuple[int, ...]:
         assert self.owner_plan is not None
         return self.owner_plan.owners
+
+    def managed_parameters(self) -> list[torch.Tensor]:
+        """The parameters this optimizer updates, in the order units refer to them."""
+        return self._params_in_order()[0]
+
+    def freeze_plan(self) -> None:
+        """Build the owner plan now (collective over the stage) and keep it: for callers that route gradients by
+        owner before the first step. Afterwards the set of parameters must not change."""
+        params, group_of, names = self._params_in_order()
+        if params:
+            self._ensure_plan(params, group_of, names)
+        self._plan_frozen = True
+
+    def unit_views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Writable views of every unit inside `tensors` (shaped like `managed_parameters()`, same order)."""
+        return [piece_views(tensors[u.param_index], self._layouts[u.param_index])[u.piece][u.expert]
+                for u in self._units]
+
+    def unit_param_indices(self) -> list[int]:
+        return [u.param_index for u in self._units]
+
+    def owner_rows(self) -> list[int]:
+        """The data-parallel row of every unit's owner."""
+        return [self.grid.row_of(o) for o in self.owners]
 
     def _unit_shards(self, tensors: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's [rows, cols] block of every unit, read from tensors shaped like the parameters."""
@@ -223,20 +263,42 @@ class OwnerMuon(Muon):
                 "and zero the gradients."
             )
 
-    def _orthogonalize_owned(self, updates: dict[int, torch.Tensor], group_of_unit: list[int]) -> dict:
-        """One batched Newton–Schulz per (shape, NS settings) bucket of the matrices this rank owns."""
+    def _bucket_key(self, u: int, group_of_unit: list[int]) -> tuple:
+        group = self.param_groups[group_of_unit[u]]
+        return tuple(self._units[u].shard.full_shape), tuple(_freeze(group[k]) for k in _NS_KEYS)
+
+    def _rounds(self, group_of_unit: list[int]) -> list[list[int]]:
+        """Round k: the k-th (shape, NS settings) bucket of every owner, in unit order (the same on every rank)."""
+        per_owner: dict[int, dict[tuple, list[int]]] = defaultdict(dict)
+        for u, owner in enumerate(self.owners):
+            per_owner[owner].setdefault(self._bucket_key(u, group_of_unit), []).append(u)
+        rounds: list[list[int]] = []
+        for buckets in per_owner.values():
+            for k, members in enumerate(buckets.values()):
+                if k == len(rounds):
+                    rounds.append([])
+                rounds[k].extend(members)
+        return [sorted(members) for members in rounds]
+
+    def _orthogonalize_owned(self, updates: dict[int, torch.Tensor], group_of_unit: list[int],
+                             param_dtypes: list[torch.dtype]) -> dict:
+        """One batched Newton–Schulz per (shape, NS settings) bucket of the matrices this rank owns, with the
+        single-process Muon's dtypes (stack in `stack_dtype`, fp32 targets take the iteration-dtype result), so
+        both engines round identically."""
         buckets: dict[tuple, list[int]] = defaultdict(list)
         for u in sorted(updates):
-            group = self.param_groups[group_of_unit[u]]
-            key = (tuple(updates[u].shape), tuple(_freeze(group[k]) for k in _NS_KEYS))
-            buckets[key].append(u)
+            buckets[self._bucket_key(u, group_of_unit)].append(u)
         result = {}
         for (_, _), members in buckets.items():
             group = self.param_groups[group_of_unit[members[0]]]
-            stacked = torch.stack([updates[u] for u in members])
+            first = updates[members[0]]
+            stacked = torch.stack([updates[u] for u in members]).to(
+                muon_math.stack_dtype(first.dtype, self.compute_dtype))
+            narrow = all(param_dtypes[self._units[u].param_index] == torch.float32 for u in members)
             ortho = muon_math.orthogonal_update(
                 stacked, ns_steps=group["ns_steps"], coefficients=group["coefficients"], method=group["method"],
                 eps=group["eps"], compute_dtype=self.compute_dtype,
+                out_dtype=work_dtype(stacked, group["method"], self.compute_dtype) if narrow else None,
             )
             self.orthogonalized_matrices += len(members)
             result.update({u: ortho[i] for i, u in enumerate(members)})
@@ -273,7 +335,8 @@ class OwnerMuon(Muon):
 
         shards = [u.shard for u in self._units]
         group_of_unit = [group_of[u.param_index] for u in self._units]
-        full_grads = gather_to_owners(self.grid, shards, self.owners, self._unit_shards(grads, params))
+        full_grads = gather_to_owners(self.grid, shards, self.owners, self._unit_shards(grads, params),
+                                      self.comm_counter)
         updates: dict[int, torch.Tensor] = {}
         for gi, group in enumerate(self.param_groups):
             members = [u for u in sorted(full_grads) if group_of_unit[u] == gi]
@@ -286,14 +349,18 @@ class OwnerMuon(Muon):
             new = muon_math.momentum_update_([full_grads[u] for u in members], buffers, group["momentum"],
                                              group["nesterov"])
             updates.update(zip(members, new))
-        ortho = self._orthogonalize_owned(updates, group_of_unit)
         like = grads[0] if grads else params[0]
-        local = scatter_from_owners(self.grid, shards, self.owners, ortho, like)
+        param_dtypes = [p.dtype for p in params]
+        delivery = UpdateDelivery(self.grid, shards, self.owners, like, self.comm_counter)
+        for round_units in self._rounds(group_of_unit):  # each owner bucket leaves as soon as it is orthogonalized
+            mine = {u: updates[u] for u in round_units if u in updates}
+            delivery.launch(round_units, self._orthogonalize_owned(mine, group_of_unit, param_dtypes) if mine else {})
 
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in enumerate(self.param_groups):  # local work while the last rounds travel
             members = [i for i, g in enumerate(group_of) if g == gi]
             muon_math.apply_weight_decay_([params[i] for i in members], lr=group["lr"],
                                           weight_decay=group["weight_decay"], mode=group["weight_decay_mode"])
+        local = delivery.finish()
         by_scale: dict[tuple[int, float], tuple[list, list]] = defaultdict(lambda: ([], []))
         for unit, chunk in zip(self._units, local):
             param = params[unit.param_index]

@@ -1,9 +1,11 @@
 """`dist_muon` on the owner-centric engine: each matrix orthogonalized once per step, by a cost-balanced owner.
 
-megatron builds it like its plain `muon` (DDP all-reduces gradients, megatron's mixed-precision wrapper keeps
-the fp32 master weights, AdamW takes the non-matrix parameters); only the torch optimizer for the matrices is
-`OwnerMuon` instead of `Muon`. Momentum lives on owners only and is handed to checkpoints as parameter-shaped
-shards, so checkpoints of `muon` and `dist_muon` interchange and reshard to any tp/pp/dp layout.
+megatron builds it like its plain `muon` (megatron's mixed-precision wrapper keeps the fp32 master weights, AdamW
+takes the non-matrix parameters); the torch optimizer for the matrices is `OwnerMuon` instead of `Muon`, and the
+DDP bucket groups holding Muon matrices get their gradient sync from `owner_grad_sync`: Muon gradients are
+reduce-scattered to the data-parallel row of their owner instead of all-reduced (the rest of such a bucket stays
+all-reduced). Momentum lives on owners only and is handed to checkpoints as parameter-shaped shards, so
+checkpoints of `muon` and `dist_muon` interchange and reshard to any tp/pp/dp layout.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import copy
 
 from megatron_muon.distributed.owner_muon import OwnerMuon
 from megatron_muon.megatron import optimizer_registry
+from megatron_muon.megatron.owner_grad_sync import install_owner_grad_sync
 from megatron_muon.megatron.muon_config import muon_kwargs_from_config
 
 
@@ -66,7 +69,9 @@ def build_owner_dist_muon(config, model_chunks, config_overrides, pg_collection)
     muon_config.optimizer = optimizer_registry.MUON_NAME
     muon_config.use_layer_wise_distributed_optimizer = False
     with _muon_entry_builds_owner_muon():
-        return optimizer_registry._upstream_build(muon_config, model_chunks, config_overrides, pg_collection)
+        optimizer = optimizer_registry._upstream_build(muon_config, model_chunks, config_overrides, pg_collection)
+    install_owner_grad_sync(optimizer, model_chunks)
+    return optimizer
 
 
 def register_dist_muon() -> None:

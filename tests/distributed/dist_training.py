@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatron_muon.testing.parallel import init_model_parallel, layout
@@ -34,12 +36,13 @@ def owner_engines(optimizer) -> list:
     return [inner] if isinstance(inner, OwnerMuon) else []
 
 
-def build(tp: int, pp: int, name: str, precision: str, model: str, lr: float = 0.01):
+def build(tp: int, pp: int, name: str, precision: str, model: str, lr: float = 0.01, clip_grad: float = 1.0):
     import megatron_muon
 
     megatron_muon.register()
     init_model_parallel(tp=tp, pp=pp)
-    options = dict(muon_tp_mode="duplicated", muon_fp32_matmul_prec="highest" if precision == "fp32" else "medium")
+    options = dict(muon_tp_mode="duplicated", muon_fp32_matmul_prec="highest" if precision == "fp32" else "medium",
+                   clip_grad=clip_grad)
     builder = {"gpt": {}, "hybrid": dict(model_builder=_hybrid_builder, config_overrides=GDN_SIZES)}[model]
     return build_training_setup(name, bf16=precision == "bf16", lr=lr, **builder, **options)
 
@@ -58,6 +61,35 @@ def train(rank, world_size, tp: int, pp: int, name: str, precision: str, model: 
             "units": sum(len(e.owners) for e in engines),
             "owners": [sorted(set(e.owners)) for e in engines],
         }
+
+
+@contextlib.contextmanager
+def counted_collectives(counts: dict, group):
+    """Elements each torch.distributed collective over `group` is handed, by name (scalars left out)."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+
+    names = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "all_to_all_single")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name):
+        def collective(*args, **kwargs):
+            tensor = args[1] if name in ("reduce_scatter_tensor", "all_gather_into_tensor") else args[0]
+            numel = sum(t.numel() for t in tensor) if isinstance(tensor, list) else tensor.numel()
+            used = kwargs.get("group")
+            if numel > 8 and used is not None and dist.get_process_group_ranks(used) == ranks:
+                counts[name] = counts.get(name, 0) + numel
+            return originals[name](*args, **kwargs)
+        return collective
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def _muon_piece_count(optimizer) -> int:
@@ -82,20 +114,46 @@ def _muon_piece_count(optimizer) -> int:
     return total
 
 
-def train_pair(rank, world_size, tp: int, pp: int, precision: str, model: str, steps: int):
-    """dist_muon and muon from the same initial weights on the same layout and batches."""
+def train_pair(rank, world_size, tp: int, pp: int, precision: str, model: str, steps: int, clip_grad: float = 1.0,
+               overlap_grad_reduce: bool = False):
+    """dist_muon and muon from the same initial weights on the same layout and batches; also what each step handed
+    to collectives (after a first step that plans) and the gradient norm megatron reports. `overlap_grad_reduce`
+    switches DDP to launching each bucket group's sync from its backward hooks (asynchronous collectives)."""
     from megatron.core import parallel_state as ps
 
     results = {}
     with one_thread():
         for name in ("dist_muon", "muon"):
-            model_, optimizer = build(tp, pp, name, precision, model)
-            losses = [train_step(model_, optimizer, step) for step in range(steps)]
+            model_, optimizer = build(tp, pp, name, precision, model, clip_grad=clip_grad)
+            if overlap_grad_reduce:  # the hooks and bucket groups read this shared config at every call
+                assert all(g.ddp_config is model_.ddp_config for g in model_.bucket_groups)
+                model_.ddp_config.overlap_grad_reduce = True
+            norms, step_ = [], optimizer.step
+
+            def step_and_record_norm():
+                outcome = step_()
+                norms.append(outcome[1])
+                return outcome
+
+            optimizer.step = step_and_record_norm
             engines = owner_engines(optimizer)
+            losses = [train_step(model_, optimizer, 0)]
+            for engine in engines:
+                engine.comm_counter.reset()
+            counts: dict = {}
+            with counted_collectives(counts, ps.get_data_parallel_group()):
+                losses += [train_step(model_, optimizer, step) for step in range(1, steps)]
             results[name] = {
                 "losses": losses,
                 "params": full_parameters(model_),
                 "orthogonalized": sum(e.orthogonalized_matrices for e in engines),
+                "grad_norms": norms,
+                "collective_numel_per_step": {k: v / (steps - 1) for k, v in counts.items()},
+                "comm_calls": [dict(e.comm_counter.calls) for e in engines],
+                "comm_numel": [dict(e.comm_counter.numel) for e in engines],
+                "rounds": [len(e._rounds([e._params_in_order()[1][u.param_index] for u in e._units])) for e in engines],
+                "muon_numel": sum(p.numel() for e in engines for p in e.managed_parameters()),
+                "param_numel": sum(p.numel() for p in model_.parameters() if p.requires_grad),
             }
             if name == "muon":  # one replica of each stage counts its matrices once
                 first_replica = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0

@@ -41,18 +41,49 @@ def _relative_error(reference: dict, other: dict) -> tuple[str, float]:
     return worst, errors[worst]
 
 
-def _check_same_layout(pools, layout, model, precision, steps):
+def _check_same_layout(pools, layout, model, precision, steps, overlap_grad_reduce=False):
+    """Without clipping the two runs differ only in how gradients reach owners and updates come back, which is
+    exact at dp ≤ 2 (a sum of two numbers has one rounding). Clipping by the global norm is checked through the
+    norms themselves: they are summed in another order, so the clip factor may differ in its last bit, which Muon's
+    orthogonalization amplifies. At dp > 2 a reduce-scatter and an all-reduce add up the ranks' gradients in
+    different orders (on NCCL as on gloo), so the runs agree to rounding only, amplified by every later step (most
+    in AdamW's near-zero gradients); they are compared after one update (`steps` = 2), and OwnerMuon's exactness
+    at dp 4 on exactly summable gradients is tested in test_grad_reduce.py."""
     tp, pp, dp = layout
-    results = _pool(pools, tp * pp * dp).run(train_pair, tp, pp, precision, model, steps)
+    results = _pool(pools, tp * pp * dp).run(train_pair, tp, pp, precision, model, steps, 0.0, overlap_grad_reduce)
     assert results[0]["layout"] == {**results[0]["layout"], "tp": tp, "pp": pp, "dp": dp}
+    tolerance = 1e-6 if dp <= 2 else 1e-4
     name, error = _relative_error(_merged(results, "muon"), _merged(results, "dist_muon"))
-    assert error <= 1e-6, f"{layout} {model} {precision}: {name} differs by {error:.2e} (relative to its max)"
+    assert error <= tolerance, f"{layout} {model} {precision}: {name} differs by {error:.2e} (relative to its max)"
     last = [r for r in results if r["muon"]["losses"][-1] != 0.0]
-    assert last[0]["dist_muon"]["losses"] == pytest.approx(last[0]["muon"]["losses"], rel=1e-6)
+    assert last[0]["dist_muon"]["losses"] == pytest.approx(last[0]["muon"]["losses"], rel=tolerance)
+    for result in results:  # world-wide norm over owner-reduced gradients = the all-reduced run's norm
+        assert result["dist_muon"]["grad_norms"] == pytest.approx(result["muon"]["grad_norms"], rel=1e-6)
     # every matrix orthogonalized exactly once per step across all ranks
     matrices = sum(r["matrices_per_step"] for r in results)
     assert matrices > 0
     assert sum(r["dist_muon"]["orthogonalized"] for r in results) == matrices * steps
+    if dp > 1:
+        _check_gradient_traffic(results, steps)
+
+
+def _check_gradient_traffic(results, steps):
+    """Muon gradients cross data parallelism only in a reduce-scatter; the all-reduce carries the rest."""
+    for result in results:
+        dist_muon, muon = result["dist_muon"], result["muon"]
+        muon_numel, param_numel = dist_muon["muon_numel"], dist_muon["param_numel"]
+        assert muon_numel > 0
+        assert muon["collective_numel_per_step"].get("all_reduce", 0) >= param_numel
+        reduced = dist_muon["collective_numel_per_step"]
+        assert reduced.get("all_reduce", 0) <= param_numel - muon_numel, "Muon gradients were all-reduced"
+        assert reduced.get("reduce_scatter_tensor", 0) >= muon_numel
+        counted = {k: sum(c.get(k, 0) for c in dist_muon["comm_numel"]) / (steps - 1)
+                   for k in ("grad_reduce_scatter", "grad_all_reduce")}
+        assert counted["grad_reduce_scatter"] == reduced["reduce_scatter_tensor"]
+        assert counted["grad_all_reduce"] == param_numel - muon_numel
+        # updates return in one all-gather per round of owner buckets (test_owner_muon checks several rounds)
+        calls = sum(c.get("update_all_gather", 0) for c in dist_muon["comm_calls"]) / (steps - 1)
+        assert 1 <= calls <= sum(dist_muon["rounds"])
 
 
 @pytest.mark.parametrize("layout,model,precision", CI_CASES, ids=lambda v: str(v))
@@ -60,10 +91,15 @@ def test_dist_muon_equals_muon_on_the_same_layout(pools, layout, model, precisio
     _check_same_layout(pools, layout, model, precision, steps=5)
 
 
+def test_dist_muon_with_grad_reduce_launched_from_backward_hooks(pools):
+    """overlap_grad_reduce: DDP's hooks start the owner reduce-scatter asynchronously, finalize waits for it."""
+    _check_same_layout(pools, (1, 1, 2), "gpt", "fp32", steps=3, overlap_grad_reduce=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,model,precision", SLOW_CASES, ids=lambda v: str(v))
 def test_dist_muon_equals_muon_on_every_layout_20_steps(pools, layout, model, precision):
-    _check_same_layout(pools, layout, model, precision, steps=20)
+    _check_same_layout(pools, layout, model, precision, steps=20 if layout[2] <= 2 else 2)
 
 
 _reference: dict = {}
