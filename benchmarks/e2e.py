@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_report import versions, write_profile, write_report  # noqa: E402
+from bench_env import package_versions  # noqa: E402
+from e2e_report import write_profile, write_report  # noqa: E402
 from e2e_rungs import Rung, build_upstream_model, parse_rungs  # noqa: E402
 
 
@@ -56,6 +57,7 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_muon.megatron.fused_adam import use_fused_torch_adam
     from megatron_muon.training.loop import optimizer_config
     from megatron_muon.training.model import build_model, transformer_config, wrap_model
     from megatron_muon.training.validation import full_layer_pattern
@@ -73,6 +75,8 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
         module.forward = torch.compile(module.forward)
     model = wrap_model(module, config, recipe)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
+    if rung.fused_adam:
+        use_fused_torch_adam(optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, config
@@ -185,7 +189,7 @@ def main(argv=None) -> None:
         rows = {r["rung"]: r for r in json.loads(json_path.read_text())["rows"]}
     meta = {"recipe": args.recipe, "overrides": args.set, "steps": args.steps, "warmup": args.warmup,
             "device": ctx.device_name, "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d"), **versions()}
+            "date": time.strftime("%Y-%m-%d"), **package_versions()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for rung in rungs:
         profile = args.out.with_name(args.out.stem + f"_profile_rung{rung.key}.md") \

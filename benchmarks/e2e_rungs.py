@@ -5,8 +5,11 @@ Each rung is cumulative over the one before it:
                    DotProductAttention (megatron's attention when Transformer Engine is absent), AdamW, eager
   2 +cudnn-attn    attention through torch SDPA pinned to cuDNN
   3 +compile       torch.compile of the model's forward
-  4 +our-gdn       our hybrid spec: compile-friendly GDN custom ops, compilable row-parallel linear
+  4 +our-gdn       our hybrid spec: compile-friendly GDN custom ops, compilable row-parallel linear; and
+                   megatron's torch-AdamW fallback on torch's fused kernel (megatron_muon.megatron.fused_adam;
+                   the optimizer column shows its share separately)
   5 mcore-muon     AdamW -> megatron-core's own Muon (TensorParallelMuon), on the Muon-eligible matrices
+                   (the remaining parameters stay on fused AdamW here and in rung 6)
   6 our-muon       -> our Muon (MegaBatch, batched orthogonalization)
 `4e` (our spec, eager, AdamW) is an extra rung: it isolates the compile gain on our spec and gives the
 eager-vs-compiled loss comparison.
@@ -29,16 +32,17 @@ class Rung:
     attention: str  # "megatron-local" or "cudnn"
     compiled: bool
     optimizer: str  # registered megatron optimizer name
+    fused_adam: bool  # megatron's torch-AdamW fallback switched to torch's fused kernel (ours) or left foreach
 
 
 RUNGS = {
-    "1": Rung("1", "upstream (mcore GDN, local attention, AdamW)", "upstream", "megatron-local", False, "adam"),
-    "2": Rung("2", "+ cuDNN attention", "upstream", "cudnn", False, "adam"),
-    "3": Rung("3", "+ torch.compile", "upstream", "cudnn", True, "adam"),
-    "4e": Rung("4e", "our spec, eager (AdamW)", "ours", "cudnn", False, "adam"),
-    "4": Rung("4", "+ our GDN ops/spec (compiled, AdamW)", "ours", "cudnn", True, "adam"),
-    "5": Rung("5", "AdamW -> megatron-core Muon", "ours", "cudnn", True, "mcore_muon"),
-    "6": Rung("6", "-> our Muon", "ours", "cudnn", True, "muon"),
+    "1": Rung("1", "upstream (mcore GDN, local attention, AdamW)", "upstream", "megatron-local", False, "adam", False),
+    "2": Rung("2", "+ cuDNN attention", "upstream", "cudnn", False, "adam", False),
+    "3": Rung("3", "+ torch.compile", "upstream", "cudnn", True, "adam", False),
+    "4e": Rung("4e", "our spec + fused AdamW, eager", "ours", "cudnn", False, "adam", True),
+    "4": Rung("4", "+ our GDN ops/spec + fused AdamW (compiled)", "ours", "cudnn", True, "adam", True),
+    "5": Rung("5", "AdamW -> megatron-core Muon", "ours", "cudnn", True, "mcore_muon", True),
+    "6": Rung("6", "-> our Muon", "ours", "cudnn", True, "muon", True),
 }
 DEFAULT_RUNGS = ("1", "2", "3", "4e", "4", "5", "6")
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from megatron_muon.megatron.fused_adam import use_fused_torch_adam
 from megatron_muon.metrics import MfuCalculator, peak_tflops
 from megatron_muon.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_muon.training.config import Recipe
@@ -179,6 +180,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
         module.forward = torch.compile(module.forward)
     model = wrap_model(module, config, recipe)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
+    fused_adam_groups = use_fused_torch_adam(optimizer)  # megatron's torch-AdamW fallback, fused on GPUs
     scheduler = lr_scheduler(recipe, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -203,7 +205,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             "torch": torch.__version__, "start_step": start_step, "flops_per_token": mfu_of.flops_per_token,
             "all_sdpa_flops_per_token": mfu_of.all_attention_flops_per_token, "peak_tflops_per_gpu": peak,
             "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
-            "optimizer_classes": optimizer_classes(optimizer),
+            "optimizer_classes": optimizer_classes(optimizer), "fused_adam_groups": fused_adam_groups,
         })
     bar = _progress_bar(ctx.is_main and recipe.logging.progress_bar, train.train_iters, start_step)
     forward_backward = get_forward_backward_func()

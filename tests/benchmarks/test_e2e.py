@@ -40,4 +40,4 @@ def test_short_cpu_ladder_writes_rows_and_loss(tmp_path):
     except ImportError:
         assert "FLA is not installed" in rows["1"]["error"]
     text = out.read_text()
-    assert "our spec, eager" in text and "| 1 |" in text
+    assert "our spec + fused AdamW, eager" in text and "| 1 |" in text
