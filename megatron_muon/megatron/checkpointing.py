@@ -94,6 +94,46 @@ def is_complete_checkpoint(directory: str | os.PathLike) -> bool:
     return (Path(directory) / _DONE_MARKER).is_file()
 
 
+def _members(optimizer) -> list:
+    children = getattr(optimizer, "chained_optimizers", None)
+    return [m for child in children for m in _members(child)] if children is not None else [optimizer]
+
+
+def _distributed_adams(optimizer) -> list:
+    """The torch Adam(W) optimizers inside megatron DistributedOptimizers of `optimizer`."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [member.optimizer for member in _members(optimizer) if isinstance(member, DistributedOptimizer)
+            and isinstance(getattr(member, "optimizer", None), torch.optim.Adam | torch.optim.AdamW)]
+
+
+def fill_empty_adam_state(optimizer) -> None:
+    """Give a fresh DistributedOptimizer's torch Adam(W) zero state with a `step`: without TE/Apex, megatron reads
+    the step count from that state while building the template a checkpoint loads into (the values are replaced)."""
+    for adam in _distributed_adams(optimizer):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                if not state:
+                    state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(param),
+                                 exp_avg_sq=torch.zeros_like(param))
+
+
+def restore_adam_steps(optimizer) -> None:
+    """Without TE/Apex, megatron's DistributedOptimizer keeps the step count in each parameter's torch Adam(W)
+    state, but its checkpoints restore the count only into the param groups: the per-parameter copies come back from
+    the load template (the fresh optimizer's value), and all share one tensor that torch would advance once per
+    parameter. Give every parameter its own copy of the loaded count."""
+    for adam in _distributed_adams(optimizer):
+        for group in adam.param_groups:
+            if group.get("step") is None:
+                continue
+            for param in group["params"]:
+                state = adam.state[param]
+                if "step" in state:
+                    state["step"] = torch.full_like(state["step"], float(group["step"]))
+
+
 def load_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict | None = None,
                     model_metadata: dict | None = None, optimizer_metadata: dict | None = None) -> dict:
     """Load a checkpoint written by `save_checkpoint` into `model` and `optimizer` (any tp/pp/dp layout the state
@@ -106,6 +146,8 @@ def load_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict 
             f"{directory} is not a complete megatron_muon checkpoint (missing {_DONE_MARKER}); "
             "point --load at a directory written by a finished save."
         )
+    if optimizer is not None:
+        fill_empty_adam_state(optimizer)
     template = sharded_state_dict(model, optimizer, True, extra, model_metadata, optimizer_metadata)
     state = dist_checkpointing.load(template, str(directory))
     chunks = _unwrap_chunks(model)
@@ -115,5 +157,7 @@ def load_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict 
         for index, chunk in enumerate(chunks):
             chunk.load_state_dict(state[f"model{index}"])
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into views of the (leaf) fp32 parameters
+            optimizer.load_state_dict(state["optimizer"])
+        restore_adam_steps(optimizer)
     return state

@@ -6,6 +6,9 @@ DDP bucket groups holding Muon matrices get their gradient sync from `owner_grad
 reduce-scattered to the data-parallel row of their owner instead of all-reduced (the rest of such a bucket stays
 all-reduced). Momentum lives on owners only and is handed to checkpoints as parameter-shaped shards, so
 checkpoints of `muon` and `dist_muon` interchange and reshard to any tp/pp/dp layout.
+
+The same builder serves `muon` with `use_distributed_optimizer=True`: on a DDP built for megatron's distributed
+optimizer the non-Muon parameters go to megatron's DistributedOptimizer instead (see `owner_distopt`).
 """
 
 from __future__ import annotations
@@ -15,8 +18,14 @@ import copy
 
 from megatron_muon.distributed.owner_muon import OwnerMuon
 from megatron_muon.megatron import optimizer_registry
-from megatron_muon.megatron.owner_grad_sync import install_owner_grad_sync
 from megatron_muon.megatron.muon_config import muon_kwargs_from_config
+from megatron_muon.megatron.owner_distopt import (
+    check_ddp_for_owner_engine,
+    ddp_uses_distributed_optimizer,
+    install_owner_buffer_sync,
+    scalar_groups_on_distributed_optimizer,
+)
+from megatron_muon.megatron.owner_grad_sync import install_owner_grad_sync, muon_bucket_groups
 
 
 def owner_muon_kwargs(config, model_chunks, pg_collection) -> dict:
@@ -53,24 +62,22 @@ def _muon_entry_builds_owner_muon():
 
 
 def build_owner_dist_muon(config, model_chunks, config_overrides, pg_collection):
-    """The `dist_muon` builder handed to `optimizer_registry.set_dist_muon_builder`."""
-    for chunk in model_chunks:
-        ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is not None and ddp_config.use_distributed_optimizer:
-            raise ValueError(
-                "dist_muon (owner-centric) reads whole data-parallel-reduced gradients, but DDP was built with "
-                "use_distributed_optimizer=True (reduce-scattered gradient shards). Build DDP with "
-                "use_distributed_optimizer=False (drop --use-distributed-optimizer) for dist_muon"
-            )
+    """The `dist_muon` builder handed to `optimizer_registry.set_dist_muon_builder` (also `muon` with
+    `use_distributed_optimizer=True`)."""
+    check_ddp_for_owner_engine(model_chunks)
     if config.overlap_param_gather_with_optimizer_step:
         raise ValueError("dist_muon does not overlap a parameter all-gather with the optimizer step; set "
                          "overlap_param_gather_with_optimizer_step=False")
     muon_config = copy.copy(config)
     muon_config.optimizer = optimizer_registry.MUON_NAME
     muon_config.use_layer_wise_distributed_optimizer = False
-    with _muon_entry_builds_owner_muon():
+    sharded = ddp_uses_distributed_optimizer(model_chunks)
+    muon_config.use_distributed_optimizer = sharded
+    scalar_placement = scalar_groups_on_distributed_optimizer() if sharded else contextlib.nullcontext()
+    with _muon_entry_builds_owner_muon(), scalar_placement:
         optimizer = optimizer_registry._upstream_build(muon_config, model_chunks, config_overrides, pg_collection)
-    install_owner_grad_sync(optimizer, model_chunks)
+    syncs = install_owner_grad_sync(optimizer, model_chunks)
+    install_owner_buffer_sync(muon_bucket_groups(optimizer, model_chunks), {id(sync.group) for sync in syncs})
     return optimizer
 
 

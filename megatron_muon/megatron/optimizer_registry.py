@@ -4,8 +4,9 @@ After `register_optimizers()`:
 - `OptimizerConfig(optimizer="muon")` (Megatron-LM's `--optimizer muon`) builds `megatron_muon.optimizer.Muon`
   for the matrices and megatron's scalar optimizer (AdamW by default) for everything else, in bf16, fp16 (with
   loss scaling) or fp32, without the emerging-optimizers package;
-- `dist_muon` (or `muon` with `use_layer_wise_distributed_optimizer`) goes through `build_dist_muon`, which for
-  now wraps ours in megatron's LayerWiseDistributedOptimizer;
+- `dist_muon` (or `muon` with `use_layer_wise_distributed_optimizer` or `use_distributed_optimizer`, in the config or
+  in DDP's) goes through the distributed builder: the owner-centric engine once `dist_muon.register_dist_muon()`
+  ran, megatron's LayerWiseDistributedOptimizer around ours before;
 - upstream's TensorParallelMuon stays available as `mcore_muon` / `dist_mcore_muon` for comparison.
 """
 
@@ -72,6 +73,13 @@ def _emerging_optimizers_not_required():
         mcore_optimizer.HAVE_EMERGING_OPTIMIZERS = saved
 
 
+def _uses_distributed_optimizer(config, model_chunks) -> bool:
+    """megatron's DDP reduce-scatters gradients for its distributed optimizer: single-process Muon would read
+    partly reduced gradients, so this also selects the distributed builder."""
+    return config.use_distributed_optimizer or any(
+        getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False) for chunk in model_chunks)
+
+
 def _is_ours(optimizer_name: str) -> bool:
     return optimizer_name in (MUON_NAME, "dist_" + MUON_NAME)
 
@@ -89,10 +97,12 @@ def build_emerging_optimizer(config, model_chunks, config_overrides=None, pg_col
         )
     if config_overrides is None:
         config_overrides = mcore_optimizer.get_standard_config_overrides(config)
-    layer_wise = config.optimizer.startswith("dist_") or config.use_layer_wise_distributed_optimizer
-    if config.fp16 and layer_wise:
-        raise ValueError("dist_muon supports bf16 and fp32; for fp16 use optimizer='muon' (loss scaling included)")
-    builder = _dist_muon_builder if layer_wise else _upstream_build
+    distributed = (config.optimizer.startswith("dist_") or config.use_layer_wise_distributed_optimizer
+                   or _uses_distributed_optimizer(config, model_chunks))
+    if config.fp16 and distributed:
+        raise ValueError("dist_muon (and muon with use_distributed_optimizer) supports bf16 and fp32; for fp16 use "
+                         "optimizer='muon' without --use-distributed-optimizer (loss scaling included)")
+    builder = _dist_muon_builder if distributed else _upstream_build
     build_config = bf16_twin(config) if config.fp16 else config
     with _emerging_optimizers_not_required():
         optimizer = builder(build_config, model_chunks, config_overrides, pg_collection)

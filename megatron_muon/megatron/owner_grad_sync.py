@@ -44,6 +44,13 @@ def _ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
+def collective_group(bucket_group):
+    """The data-parallel group DDP reduces a bucket group over (named differently for the distributed optimizer)."""
+    if bucket_group.ddp_config.use_distributed_optimizer:
+        return bucket_group.intra_distributed_optimizer_instance_group
+    return bucket_group.data_parallel_group
+
+
 class OwnedBucketGroupSync:
     """Gradient sync of one DDP bucket group: Muon views reduce-scattered to owners, the rest all-reduced."""
 
@@ -83,7 +90,7 @@ class OwnedBucketGroupSync:
         async_op = config.overlap_grad_reduce
         if self.rest:
             flat = torch.cat([data[start:end] for data, start, end in self.rest])
-            handle = dist.all_reduce(flat, op=op, group=group.data_parallel_group, async_op=async_op)
+            handle = dist.all_reduce(flat, op=op, group=collective_group(group), async_op=async_op)
             self.counter.record("grad_all_reduce", flat.numel(), flat.element_size())
             self._rest_pending = (handle, flat)
         self.muon_reduce.launch(op, async_op=async_op, everywhere=bool(force_all_reduce))
@@ -173,13 +180,26 @@ def install_owner_grad_sync(optimizer, model_chunks) -> list[OwnedBucketGroupSyn
         for bucket_group, group_views, group_rows, muon_params in by_group.values():
             assert id(bucket_group) not in taken, "two Muon engines share one DDP bucket group"
             taken.add(id(bucket_group))
-            if _ranks(bucket_group.data_parallel_group) != _ranks(engine.grid.dp_group):
+            if _ranks(collective_group(bucket_group)) != _ranks(engine.grid.dp_group):
                 raise ValueError("the DDP bucket group and dist_muon disagree on the data-parallel group; build DDP "
                                  "and the optimizer from the same parallel state (pg_collection)")
-            reduce = OwnerReduceScatter(group_views, group_rows, bucket_group.data_parallel_group,
+            reduce = OwnerReduceScatter(group_views, group_rows, collective_group(bucket_group),
                                         engine.comm_counter)
             sync = OwnedBucketGroupSync(bucket_group, reduce, muon_params, engine.comm_counter)
             sync.install()
             syncs.append(sync)
         wrapper.grad_stats_parallel_group = dist.group.WORLD
     return syncs
+
+
+def muon_bucket_groups(optimizer, model_chunks) -> list:
+    """The DDP bucket groups holding parameters that `optimizer`'s OwnerMuon engines update."""
+    where = _buffer_locations(model_chunks)
+    found = {}
+    for wrapper in _wrappers_with_engines(optimizer):
+        model_param = _model_param_of(wrapper)
+        for param in wrapper.optimizer.managed_parameters():
+            located = where.get(model_param.get(id(param)))
+            if located is not None:
+                found[id(located[0])] = located[0]
+    return list(found.values())

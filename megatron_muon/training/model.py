@@ -122,6 +122,11 @@ def wrap_model(module, config, recipe: Recipe):
 
     if torch.cuda.is_available():
         module = module.cuda(torch.cuda.current_device())
+    if recipe.parallel.use_distributed_optimizer and recipe.optimizer.name in ("muon", "dist_muon"):
+        # Muon matrices and AdamW parameters in separate DDP buffers: the distributed optimizer shards whole buffers.
+        from megatron_muon.megatron.owner_distopt import tag_params_for_owner_buffers
+
+        tag_params_for_owner_buffers([module])
     if recipe.training.precision in ("bf16", "fp16"):
         module = Float16Module(config, module)
     ddp_config = DistributedDataParallelConfig(

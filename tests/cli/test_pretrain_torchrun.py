@@ -26,7 +26,8 @@ def _torchrun(args, tmp_path):
 
 @pytest.mark.parametrize(
     "optimizer, layout, lr",
-    [("muon", "parallel.tensor_model_parallel_size=1", "5e-3"), ("adam", "parallel.tensor_model_parallel_size=2", "3e-3")],
+    [("muon", "parallel.tensor_model_parallel_size=1", "5e-3"), ("adam", "parallel.tensor_model_parallel_size=2", "3e-3"),
+     ("muon", "parallel.use_distributed_optimizer=true", "5e-3")],  # owner engine + megatron's DistributedOptimizer
 )
 def test_pretrain_30_steps_on_two_ranks(tmp_path, optimizer, layout, lr):
     out = tmp_path / "run"
@@ -38,6 +39,8 @@ def test_pretrain_30_steps_on_two_ranks(tmp_path, optimizer, layout, lr):
     start, steps, end = records[0], [r for r in records if r["event"] == "step"], records[-1]
     assert start["world_size"] == 2 and start["recipe"]["optimizer"]["name"] == optimizer
     matrix_optimizer = "megatron_muon.optimizer.muon.Muon" if optimizer == "muon" else "torch.optim.adam"
+    if "use_distributed_optimizer" in layout:
+        matrix_optimizer = "megatron_muon.distributed.owner_muon.OwnerMuon"
     assert any(name.startswith(matrix_optimizer) for name in start["optimizer_classes"]), start["optimizer_classes"]
     assert [r["step"] for r in steps] == [10, 20, 30] and end["event"] == "end"
     assert steps[-1]["loss"] < 0.7 * steps[0]["loss"], [r["loss"] for r in steps]
