@@ -65,6 +65,8 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
     torch.manual_seed(recipe.training.seed)
     model_parallel_cuda_manual_seed(recipe.training.seed)
     config = transformer_config(recipe, on_gpu=on_gpu)
+    if rung.recompute_attention:
+        config.recompute_granularity, config.recompute_modules = "selective", ["core_attn"]
     if rung.spec == "upstream":
         m = recipe.model
         module = build_upstream_model(config, full_layer_pattern(recipe), rung.attention, m.vocab_size,

@@ -11,6 +11,8 @@ Each rung is cumulative over the one before it:
   5 mcore-muon     AdamW -> megatron-core's own Muon (TensorParallelMuon), on the Muon-eligible matrices
                    (the remaining parameters stay on fused AdamW here and in rung 6)
   6 our-muon       -> our Muon (MegaBatch, batched orthogonalization)
+`1r` is rung 1 with megatron's selective recompute of core attention, the setting that makes megatron's local
+attention fit at 16k (rung 1 materializes a 16 x 16k x 16k score matrix per attention layer and can run out of memory).
 `4e` (our spec, eager, AdamW) is an extra rung: it isolates the compile gain on our spec and gives the
 eager-vs-compiled loss comparison.
 
@@ -33,10 +35,13 @@ class Rung:
     compiled: bool
     optimizer: str  # registered megatron optimizer name
     fused_adam: bool  # megatron's torch-AdamW fallback switched to torch's fused kernel (ours) or left foreach
+    recompute_attention: bool = False  # megatron's selective recompute of core attention (drops the score matrices)
 
 
 RUNGS = {
     "1": Rung("1", "upstream (mcore GDN, local attention, AdamW)", "upstream", "megatron-local", False, "adam", False),
+    "1r": Rung("1r", "upstream + selective recompute of core attention", "upstream", "megatron-local", False,
+               "adam", False, recompute_attention=True),
     "2": Rung("2", "+ cuDNN attention", "upstream", "cudnn", False, "adam", False),
     "3": Rung("3", "+ torch.compile", "upstream", "cudnn", True, "adam", False),
     "4e": Rung("4e", "our spec + fused AdamW, eager", "ours", "cudnn", False, "adam", True),
@@ -44,7 +49,7 @@ RUNGS = {
     "5": Rung("5", "AdamW -> megatron-core Muon", "ours", "cudnn", True, "mcore_muon", True),
     "6": Rung("6", "-> our Muon", "ours", "cudnn", True, "muon", True),
 }
-DEFAULT_RUNGS = ("1", "2", "3", "4e", "4", "5", "6")
+DEFAULT_RUNGS = ("1", "1r", "2", "3", "4e", "4", "5", "6")
 
 
 def parse_rungs(text: str) -> list[Rung]:
