@@ -216,3 +216,19 @@ def interrupted_save(rank, world_size, directory: str):
         except ValueError:
             loadable = False
         return {"raised": raised, "loadable": loadable, "complete": checkpointing.is_complete_checkpoint(directory)}
+
+
+def merged_params(results, key=None) -> dict:
+    """Parameters of every rank's result merged by global name (`key`: the run inside each result, if any)."""
+    merged = {}
+    for result in results:
+        merged.update(result[key]["params"] if key else result["params"])
+    return merged
+
+
+def max_relative_error(reference: dict, other: dict) -> tuple[str, float]:
+    """(name, error) of the parameter furthest from the reference, relative to the reference's max magnitude."""
+    assert reference.keys() == other.keys()
+    errors = {n: float((other[n] - t).abs().max() / t.abs().max().clamp_min(1e-12)) for n, t in reference.items()}
+    worst = max(errors, key=errors.get)
+    return worst, errors[worst]

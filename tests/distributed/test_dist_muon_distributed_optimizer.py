@@ -8,21 +8,8 @@ within the same-layout tolerance of test_dist_muon_megatron.py.
 
 import pytest
 
+from tests.distributed.dist_training import max_relative_error, merged_params
 from tests.distributed.distopt_training import build_error, sharded_checkpoint_then_continue, train_sharded_and_replicated
-
-
-def _merged(results, key=None):
-    merged = {}
-    for result in results:
-        merged.update(result[key]["params"] if key else result["params"])
-    return merged
-
-
-def _relative_error(reference: dict, other: dict) -> tuple[str, float]:
-    assert reference.keys() == other.keys()
-    errors = {n: float((other[n] - t).abs().max() / t.abs().max().clamp_min(1e-12)) for n, t in reference.items()}
-    worst = max(errors, key=errors.get)
-    return worst, errors[worst]
 
 
 CASES = [((1, 1, 2), "fp32", False), ((1, 1, 2), "bf16", False), ((1, 1, 2), "fp32", True)]
@@ -45,7 +32,7 @@ def test_muon_with_distributed_optimizer_equals_dist_muon(rank_pool_2, layout, p
     # the owner engine ran: every matrix once per step across the ranks, as in dist_muon
     assert sum(r["sharded"]["orthogonalized"] for r in results) == sum(r["dist_muon"]["orthogonalized"] for r in results)
     assert sum(r["sharded"]["orthogonalized"] for r in results) > 0
-    name, error = _relative_error(_merged(results, "dist_muon"), _merged(results, "sharded"))
+    name, error = max_relative_error(merged_params(results, "dist_muon"), merged_params(results, "sharded"))
     assert error <= 1e-6, f"{layout} {precision}: {name} differs by {error:.2e} (relative to its max)"
     assert sharded["losses"] == pytest.approx(results[0]["dist_muon"]["losses"], rel=1e-6)
     assert results[0]["sharded"]["params"].keys() == results[1]["sharded"]["params"].keys()
@@ -55,9 +42,9 @@ def test_muon_with_distributed_optimizer_equals_dist_muon(rank_pool_2, layout, p
 
 def test_sharded_checkpoint_resumes_bit_exact(rank_pool_2, tmp_path):
     directory = str(tmp_path / "ckpt")
-    uninterrupted = _merged(rank_pool_2.run(sharded_checkpoint_then_continue, 1, directory, 2, 4, False))
-    resumed = _merged(rank_pool_2.run(sharded_checkpoint_then_continue, 1, directory, 2, 4, True))
-    name, error = _relative_error(uninterrupted, resumed)
+    uninterrupted = merged_params(rank_pool_2.run(sharded_checkpoint_then_continue, 1, directory, 2, 4, False))
+    resumed = merged_params(rank_pool_2.run(sharded_checkpoint_then_continue, 1, directory, 2, 4, True))
+    name, error = max_relative_error(uninterrupted, resumed)
     assert error == 0.0, f"resume at the saving layout must be bit-exact: {name} {error:.2e}"
 
 

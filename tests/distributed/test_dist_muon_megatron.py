@@ -9,7 +9,14 @@ checked to 1e-6 against single-process Muon on identical gradients in test_owner
 
 import pytest
 
-from tests.distributed.dist_training import checkpoint_then_continue, interrupted_save, train, train_pair
+from tests.distributed.dist_training import (
+    checkpoint_then_continue,
+    interrupted_save,
+    max_relative_error,
+    merged_params,
+    train,
+    train_pair,
+)
 
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1), (2, 1, 2), (1, 1, 4), (1, 2, 2)]  # (tp, pp, dp)
 CI_CASES = [((2, 1, 2), "gpt", "fp32"), ((1, 2, 2), "gpt", "fp32"), ((2, 1, 1), "hybrid", "fp32"),
@@ -27,20 +34,6 @@ def pools(rank_pool_1, rank_pool_2, rank_pool_4):
     return {1: rank_pool_1, 2: rank_pool_2, 4: rank_pool_4}
 
 
-def _merged(results, key):
-    merged = {}
-    for result in results:
-        merged.update(result[key]["params"] if key else result["params"])
-    return merged
-
-
-def _relative_error(reference: dict, other: dict) -> tuple[str, float]:
-    assert reference.keys() == other.keys()
-    errors = {n: float((other[n] - t).abs().max() / t.abs().max().clamp_min(1e-12)) for n, t in reference.items()}
-    worst = max(errors, key=errors.get)
-    return worst, errors[worst]
-
-
 def _check_same_layout(pools, layout, model, precision, steps, overlap_grad_reduce=False):
     """Without clipping the two runs differ only in how gradients reach owners and updates come back, which is
     exact at dp ≤ 2 (a sum of two numbers has one rounding). Clipping by the global norm is checked through the
@@ -53,7 +46,7 @@ def _check_same_layout(pools, layout, model, precision, steps, overlap_grad_redu
     results = _pool(pools, tp * pp * dp).run(train_pair, tp, pp, precision, model, steps, 0.0, overlap_grad_reduce)
     assert results[0]["layout"] == {**results[0]["layout"], "tp": tp, "pp": pp, "dp": dp}
     tolerance = 1e-6 if dp <= 2 else 1e-4
-    name, error = _relative_error(_merged(results, "muon"), _merged(results, "dist_muon"))
+    name, error = max_relative_error(merged_params(results, "muon"), merged_params(results, "dist_muon"))
     assert error <= tolerance, f"{layout} {model} {precision}: {name} differs by {error:.2e} (relative to its max)"
     last = [r for r in results if r["muon"]["losses"][-1] != 0.0]
     assert last[0]["dist_muon"]["losses"] == pytest.approx(last[0]["muon"]["losses"], rel=tolerance)
@@ -114,7 +107,7 @@ def test_dist_muon_layouts_track_the_single_process_run(pools, layout):
     reference = _reference["gpt"]
     tp, pp, dp = layout
     results = pools[tp * pp * dp].run(train, tp, pp, "dist_muon", "fp32", "gpt", 20)
-    name, error = _relative_error(reference["params"], _merged(results, None))
+    name, error = max_relative_error(reference["params"], merged_params(results, None))
     assert error < 2e-3, f"{layout}: {name} off by {error:.2e}"
     last = [r for r in results if r["losses"][-1] != 0.0][0]
     assert last["losses"] == pytest.approx(reference["losses"], rel=1e-4)
@@ -124,17 +117,17 @@ def test_checkpoint_reshards_and_resumes(pools, tmp_path):
     """Save at (tp2, dp2) on 4 ranks; load at (tp1, dp1) on 1 rank and (tp1, dp2) on 2 ranks; continue."""
     directory = str(tmp_path / "ckpt")
     saved = pools[4].run(checkpoint_then_continue, 2, directory, 2, 4, False)
-    uninterrupted = _merged(saved, None)
+    uninterrupted = merged_params(saved, None)
     same_layout = pools[4].run(checkpoint_then_continue, 2, directory, 2, 4, True)
-    name, error = _relative_error(uninterrupted, _merged(same_layout, None))
+    name, error = max_relative_error(uninterrupted, merged_params(same_layout, None))
     assert error == 0.0, f"resume at the saving layout must be bit-exact: {name} {error:.2e}"
     for world_size in (1, 2):
         resumed = pools[world_size].run(checkpoint_then_continue, 1, directory, 2, 4, True)
-        name, error = _relative_error(uninterrupted, _merged(resumed, None))
+        name, error = max_relative_error(uninterrupted, merged_params(resumed, None))
         assert error < 1e-4, f"world {world_size}: {name} off by {error:.2e}"
     # the comparison can fail: dropping the loaded momentum is visible far above the layout tolerance
     no_momentum = pools[1].run(checkpoint_then_continue, 1, directory, 2, 4, True, True)
-    assert _relative_error(uninterrupted, _merged(no_momentum, None))[1] > 1e-3
+    assert max_relative_error(uninterrupted, merged_params(no_momentum, None))[1] > 1e-3
 
 
 def test_failed_save_leaves_nothing_loadable(pools, tmp_path):
