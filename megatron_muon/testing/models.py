@@ -10,6 +10,12 @@ import torch
 VOCAB_SIZE = 128
 SEQ_LENGTH = 32
 
+# A tiny GDN geometry for the hybrid: 2 key heads of 16, 4 value heads of 8, conv 4.
+GDN_SIZES = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
 
 def tiny_transformer_config(**overrides: Any):
     """A 2-layer, hidden-64 TransformerConfig that initializes on CPU, so every TP layout starts from the same
@@ -61,6 +67,27 @@ def build_tiny_gpt(config=None, vocab_size: int = VOCAB_SIZE, seq_length: int = 
         position_embedding_type="rope",
     )
     reinitialize_by_global_name(model)
+    return model
+
+
+def build_tiny_hybrid(config):
+    """A "G*" hybrid (one GDN layer, one attention layer) on the local backend; `config` must carry GDN_SIZES.
+
+    Initialized like the tiny GPT by global name, so every (tp, pp) layout starts from the same full model; the GDN
+    layers then redraw their own parameters from a seed of their global layer number (their sectioned in_proj and
+    conv are split across tp section by section, which only the layer itself knows).
+    """
+    import zlib
+
+    from megatron_muon.specs import build_hybrid_model
+
+    torch.manual_seed(1234)
+    model = build_hybrid_model(config, "G*", vocab_size=VOCAB_SIZE, max_seq_len=SEQ_LENGTH, backend="local")
+    reinitialize_by_global_name(model)
+    for module in model.modules():
+        if callable(getattr(module, "in_proj_sections", None)) and hasattr(module, "reset_parameters"):
+            torch.manual_seed(zlib.crc32(f"gated_deltanet.{module.layer_number}".encode()))
+            module.reset_parameters()
     return model
 
 
@@ -129,6 +156,9 @@ class Batch:
     position_ids: torch.Tensor
     loss_mask: torch.Tensor
 
+    def to(self, device) -> "Batch":
+        return Batch(*(t.to(device) for t in (self.tokens, self.labels, self.position_ids, self.loss_mask)))
+
 
 def synthetic_batch(index: int, micro_batch_size: int = 2, seq_length: int = SEQ_LENGTH,
                     vocab_size: int = VOCAB_SIZE) -> Batch:
@@ -156,7 +186,7 @@ def forward_backward(model, batches: list[Batch], seq_length: int = SEQ_LENGTH, 
     recorded: list[float] = []  # per-micro-batch losses as computed, independent of megatron's reporting scale
 
     def forward_step(data_iterator, model_chunk):
-        batch = next(data_iterator)
+        batch = next(data_iterator).to(next(model_chunk.parameters()).device)
         output = model_chunk(batch.tokens, batch.position_ids, None, labels=batch.labels)
 
         def loss_func(losses):

@@ -7,7 +7,9 @@ from typing import Any, Callable
 import torch
 
 from megatron_muon.testing.models import (
+    GDN_SIZES,
     build_tiny_gpt,
+    build_tiny_hybrid,
     forward_backward,
     global_parameter_names,
     synthetic_batch,
@@ -31,6 +33,8 @@ def build_training_setup(
 
     config = tiny_transformer_config(bf16=bf16, **(config_overrides or {}))
     model = model_builder(config)
+    if _on_gpu():  # as megatron's get_model does; weights were initialized on CPU, identically for every layout
+        model.cuda(torch.cuda.current_device())
     if bf16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
@@ -43,6 +47,31 @@ def build_training_setup(
     settings.update(optimizer_overrides)
     opt = get_megatron_optimizer(OptimizerConfig(**settings), [model])
     return model, opt
+
+
+def _on_gpu() -> bool:
+    from megatron_muon._cpu import cpu_mode_enabled
+
+    return torch.cuda.is_available() and not cpu_mode_enabled()
+
+
+def build_muon_setup(name: str, precision: str, model: str, lr: float = 0.01, clip_grad: float = 1.0,
+                     config_overrides: dict | None = None):
+    """The tiny `model` ("gpt" or "hybrid") with megatron optimizer `name` (e.g. "dist_muon", "muon") in
+    `precision` ("fp32" or "bf16") on the parallel_state already set; Muon's TP mode is "duplicated"."""
+    import megatron_muon
+
+    if model not in ("gpt", "hybrid"):
+        raise ValueError(f"model must be 'gpt' or 'hybrid', got {model!r}")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    megatron_muon.register()
+    options = dict(muon_tp_mode="duplicated", muon_fp32_matmul_prec="highest" if precision == "fp32" else "medium",
+                   clip_grad=clip_grad)
+    builder = {"gpt": dict(config_overrides={}),
+               "hybrid": dict(model_builder=build_tiny_hybrid, config_overrides=dict(GDN_SIZES))}[model]
+    builder["config_overrides"].update(config_overrides or {})
+    return build_training_setup(name, bf16=precision == "bf16", lr=lr, **builder, **options)
 
 
 def train_step(model, optimizer, step: int, global_microbatches: int = 4, micro_batch_size: int = 2) -> float:
@@ -61,10 +90,26 @@ def train_step(model, optimizer, step: int, global_microbatches: int = 4, micro_
     loss = forward_backward(model, batches)
     optimizer.step()
     if ps.is_pipeline_last_stage():
-        loss_tensor = torch.tensor([loss], dtype=torch.float64)
+        loss_tensor = torch.tensor([loss], dtype=torch.float64, device=next(model.parameters()).device)
         torch.distributed.all_reduce(loss_tensor, group=ps.get_data_parallel_group())
         loss = float(loss_tensor) / dp
     return loss
+
+
+def _sectioned_parameters(model) -> dict[int, list[int]]:
+    """Local row sections of parameters made of sections that are each split across tp (GDN's in_proj q|k|v|z|b|a
+    and its conv q|k|v), by parameter id: gathering those in plain chunks would interleave the sections wrongly."""
+    sections = {}
+    for module in model.modules():
+        if callable(getattr(module, "in_proj_sections", None)) and hasattr(module, "conv1d"):
+            for param in (module.in_proj.weight, getattr(module.in_proj, "bias", None)):
+                if param is not None:
+                    sections[id(param)] = list(module.in_proj_sections())
+            conv = [size // module.tp_size for size in module.shape.conv_sections]
+            for param in (module.conv1d.weight, module.conv1d.bias):
+                if param is not None:
+                    sections[id(param)] = conv
+    return sections
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
@@ -76,15 +121,34 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
 
     group = ps.get_tensor_model_parallel_group()
     tp = ps.get_tensor_model_parallel_world_size()
+    sectioned = _sectioned_parameters(model) if tp > 1 else {}
     result = {}
     for name, param in global_parameter_names(model).items():
         tensor = param.detach().float()
         if tp > 1 and getattr(param, "tensor_model_parallel", False):
             parts = [torch.empty_like(tensor) for _ in range(tp)]
             torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
-            # A strided shard (e.g. SwiGLU's fc1 holds [gate_r; up_r]) is `stride` chunks, each split across ranks.
-            stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
-            chunks = [part.chunk(stride, dim=dim) for part in parts]
-            tensor = torch.cat([chunks[r][j] for j in range(stride) for r in range(tp)], dim=dim)
+            dim = param.partition_dim
+            if id(param) in sectioned:  # each section is split across ranks on its own
+                chunks = [part.split(sectioned[id(param)], dim=dim) for part in parts]
+            else:  # a strided shard (e.g. SwiGLU's fc1 holds [gate_r; up_r]) is `stride` chunks split across ranks
+                chunks = [part.chunk(getattr(param, "partition_stride", 1), dim=dim) for part in parts]
+            tensor = torch.cat([chunks[r][j] for j in range(len(chunks[0])) for r in range(tp)], dim=dim)
         result[name] = tensor.clone()
     return result
+
+
+def merged_params(results, key=None) -> dict:
+    """Parameters of every rank's result merged by global name (`key`: the run inside each result, if any)."""
+    merged = {}
+    for result in results:
+        merged.update(result[key]["params"] if key else result["params"])
+    return merged
+
+
+def max_relative_error(reference: dict, other: dict) -> tuple[str, float]:
+    """(name, error) of the parameter furthest from the reference, relative to the reference's max magnitude."""
+    assert reference.keys() == other.keys()
+    errors = {n: float((other[n] - t).abs().max() / t.abs().max().clamp_min(1e-12)) for n, t in reference.items()}
+    worst = max(errors, key=errors.get)
+    return worst, errors[worst]

@@ -7,22 +7,14 @@ import contextlib
 import torch
 
 from megatron_muon.testing.parallel import init_model_parallel, layout
-from megatron_muon.testing.training import build_training_setup, full_parameters, train_step
-from tests.megatron.muon_training import one_thread
-
-# A tiny GDN geometry: 2 key heads of 16, 4 value heads of 8, conv 4.
-GDN_SIZES = dict(
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
+from megatron_muon.testing.training import (  # noqa: F401  (merged_params, max_relative_error: used by the tests)
+    build_muon_setup,
+    full_parameters,
+    max_relative_error,
+    merged_params,
+    train_step,
 )
-
-
-def _hybrid_builder(config):
-    from megatron_muon.specs import build_hybrid_model
-    from megatron_muon.testing.models import SEQ_LENGTH, VOCAB_SIZE
-
-    torch.manual_seed(1234)  # the GDN layer initializes its full weights from the seed, then takes its TP slice
-    return build_hybrid_model(config, "G*", vocab_size=VOCAB_SIZE, max_seq_len=SEQ_LENGTH, backend="local")
+from tests.megatron.muon_training import one_thread
 
 
 def owner_engines(optimizer) -> list:
@@ -37,14 +29,9 @@ def owner_engines(optimizer) -> list:
 
 
 def build(tp: int, pp: int, name: str, precision: str, model: str, lr: float = 0.01, clip_grad: float = 1.0):
-    import megatron_muon
-
-    megatron_muon.register()
+    """The tiny model and optimizer `name` on a fresh (tp, pp) layout of the pool's world."""
     init_model_parallel(tp=tp, pp=pp)
-    options = dict(muon_tp_mode="duplicated", muon_fp32_matmul_prec="highest" if precision == "fp32" else "medium",
-                   clip_grad=clip_grad)
-    builder = {"gpt": {}, "hybrid": dict(model_builder=_hybrid_builder, config_overrides=GDN_SIZES)}[model]
-    return build_training_setup(name, bf16=precision == "bf16", lr=lr, **builder, **options)
+    return build_muon_setup(name, precision, model, lr=lr, clip_grad=clip_grad)
 
 
 def train(rank, world_size, tp: int, pp: int, name: str, precision: str, model: str, steps: int):
@@ -216,19 +203,3 @@ def interrupted_save(rank, world_size, directory: str):
         except ValueError:
             loadable = False
         return {"raised": raised, "loadable": loadable, "complete": checkpointing.is_complete_checkpoint(directory)}
-
-
-def merged_params(results, key=None) -> dict:
-    """Parameters of every rank's result merged by global name (`key`: the run inside each result, if any)."""
-    merged = {}
-    for result in results:
-        merged.update(result[key]["params"] if key else result["params"])
-    return merged
-
-
-def max_relative_error(reference: dict, other: dict) -> tuple[str, float]:
-    """(name, error) of the parameter furthest from the reference, relative to the reference's max magnitude."""
-    assert reference.keys() == other.keys()
-    errors = {n: float((other[n] - t).abs().max() / t.abs().max().clamp_min(1e-12)) for n, t in reference.items()}
-    worst = max(errors, key=errors.get)
-    return worst, errors[worst]

@@ -1,0 +1,135 @@
+"""The multi-GPU parity runner, on CPU/gloo: torchrun launches, run files, and a comparison that can fail.
+
+The runner is what validates dist_muon on NCCL at 4 and 8 GPUs, so its own plumbing (launch, gathering every tp
+shard and pipeline stage to rank 0, the comparison and its exit code) is checked here on layouts a CPU can run.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_muon.testing import free_port, parity
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STEPS = 5
+
+
+def _environment() -> dict:
+    # No GPU even where one exists: these launches test the gloo path with two ranks on one machine.
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def _parity(*args: str, ranks: int | None = None) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "megatron_muon.testing.parity"]
+    if ranks is not None:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                    "-m", "megatron_muon.testing.parity"]
+    return subprocess.run(launcher + list(args), cwd=REPO_ROOT, env=_environment(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def _run(directory: Path, *layouts: str, ranks: int | None = None) -> subprocess.CompletedProcess:
+    result = _parity("run", "--layout", *layouts, "--model", "gpt", "--precision", "fp32", "--optimizer",
+                     "dist_muon", "--steps", str(STEPS), "--global-microbatches", "4", "--out", str(directory),
+                     ranks=ranks)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def run_directory(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("parity")
+    _run(directory, "1,1,1")  # a lone process: the runner makes its own 1-rank group
+    launched = _run(directory, "1,1,2", "2,1,1", ranks=2)
+    assert launched.stdout.count(f"step   {STEPS}/{STEPS}") == 2, launched.stdout  # progress from rank 0 only
+    return directory
+
+
+def test_run_files_hold_full_parameters_losses_and_layout(run_directory):
+    files = sorted(path.name for path in run_directory.glob("*.pt"))
+    assert files == [f"gpt_fp32_dist_muon_tp{tp}pp1dp{dp}.pt" for tp, dp in ((1, 1), (1, 2), (2, 1))]
+    reference = torch.load(run_directory / "gpt_fp32_dist_muon_tp1pp1dp1.pt", weights_only=True)
+    sharded = torch.load(run_directory / "gpt_fp32_dist_muon_tp2pp1dp1.pt", weights_only=True)
+    assert sharded["layout"] == {"tp": 2, "pp": 1, "dp": 1} and sharded["world_size"] == 2
+    assert sharded["backend"] == "gloo" and sharded["device"] == "cpu"
+    assert len(sharded["losses"]) == STEPS and sharded["losses"][-1] < sharded["losses"][0]
+    # tp-gathered: every parameter has the single-process run's full shape
+    assert {n: t.shape for n, t in sharded["params"].items()} == {n: t.shape for n, t in reference["params"].items()}
+    assert all(t.dtype == torch.float32 for t in sharded["params"].values())
+
+
+def test_compare_passes_for_layouts_that_track_the_reference(run_directory):
+    result = _parity("compare", str(run_directory), "--reference", "1,1,1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 of 2 runs match the reference" in result.stdout
+
+
+def test_compare_fails_on_a_corrupted_run(run_directory, tmp_path, capsys):
+    for path in run_directory.glob("*.pt"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    corrupted = tmp_path / "gpt_fp32_dist_muon_tp2pp1dp1.pt"
+    record = torch.load(corrupted, weights_only=True)
+    name = sorted(record["params"])[0]
+    record["params"][name] = record["params"][name] + 1e-2 * record["params"][name].abs().max()
+    torch.save(record, corrupted)
+    assert parity.main(["compare", str(tmp_path), "--reference", "1,1,1"]) == 1
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(corrupted.name))
+    assert "FAIL" in row and name in row
+
+    (tmp_path / "gpt_fp32_dist_muon_tp1pp1dp2.pt").write_bytes(b"not a run file")
+    assert parity.main(["compare", str(tmp_path), "--reference", "1,1,1"]) == 1
+    assert "unreadable" in capsys.readouterr().out
+
+
+def test_run_refuses_a_layout_that_does_not_fit_the_launch(tmp_path, monkeypatch, capsys):
+    for variable in ("WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(variable, raising=False)
+    assert parity.main(["run", "--layout", "2,1,1", "--out", str(tmp_path)]) == 2
+    assert "needs 2 ranks but the launch has 1" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    assert not torch.distributed.is_initialized()
+
+
+def test_compare_reports_a_missing_reference(run_directory, capsys):
+    assert parity.main(["compare", str(run_directory), "--reference", "1,2,1"]) == 1
+    assert "no gpt fp32 run at reference layout 1,2,1" in capsys.readouterr().out
+
+
+def initial_full_parameters(rank, world_size, tp: int, pp: int, model: str):
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.testing.training import build_muon_setup, full_parameters
+
+    init_model_parallel(tp=tp, pp=pp)
+    model_, _ = build_muon_setup("dist_muon", "fp32", model, config_overrides=parity.TP_READY_SIZES[model])
+    return {"params": full_parameters(model_)}
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_hybrid_starts_identical_and_gathers_whole_on_every_layout(rank_pool_1, rank_pool_2, tp, pp):
+    """The runner's premise for the hybrid: every layout starts from the same full weights, and gathering GDN's
+    sectioned in_proj/conv (each of q|k|v|... split across tp on its own) restores them exactly."""
+    from megatron_muon.testing.training import merged_params
+
+    reference = rank_pool_1.run(initial_full_parameters, 1, 1, "hybrid")[0]["params"]
+    gathered = merged_params(rank_pool_2.run(initial_full_parameters, tp, pp, "hybrid"))
+    assert gathered.keys() == reference.keys()
+    assert any("in_proj" in name for name in reference) and any("conv1d" in name for name in reference)
+    for name, tensor in reference.items():
+        assert torch.equal(gathered[name], tensor), name
+
+
+def test_compare_same_layout_pairs_each_run_with_the_muon_run_of_its_layout(run_directory, tmp_path, capsys):
+    source = torch.load(run_directory / "gpt_fp32_dist_muon_tp2pp1dp1.pt", weights_only=True)
+    torch.save(source, tmp_path / "gpt_fp32_dist_muon_tp2pp1dp1.pt")
+    torch.save({**source, "optimizer": "muon"}, tmp_path / "gpt_fp32_muon_tp2pp1dp1.pt")
+    assert parity.main(["compare", str(tmp_path), "--reference", "same"]) == 0
+    assert "1 of 1 runs match" in capsys.readouterr().out
+    (tmp_path / "gpt_fp32_dist_muon_tp1pp1dp2.pt").write_bytes((run_directory / "gpt_fp32_dist_muon_tp1pp1dp2.pt")
+                                                                .read_bytes())
+    assert parity.main(["compare", str(tmp_path), "--reference", "same"]) == 1  # no muon run at (1, 1, 2)
