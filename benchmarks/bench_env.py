@@ -19,3 +19,15 @@ def package_versions() -> dict[str, str]:
     if torch.cuda.is_available():
         found["cudnn"] = str(torch.backends.cudnn.version())
     return found
+
+
+def emit_markdown(lines: list[str], out=None) -> str:
+    """Print a result and, when `out` is given, write it there (parents created)."""
+    from pathlib import Path
+
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    return text

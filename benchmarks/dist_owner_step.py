@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from bench_env import emit_markdown  # benchmarks/ is the script's directory
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -186,11 +188,7 @@ def main() -> None:
         "owner bucket and overlaps the remaining orthogonalizations and the weight decay",
         "",
     ]
-    text = "\n".join(header + table) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit_markdown(header + table, args.out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from bench_env import emit_markdown  # benchmarks/ is the script's directory
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_muon.optimizer import Muon  # noqa: E402
@@ -192,11 +194,7 @@ def main() -> None:
         "per section as megatron tags them; torch.optim.Muon: the same coefficients, unsplit",
         "",
     ]
-    text = "\n".join(header + table) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit_markdown(header + table, args.out)
 
 
 if __name__ == "__main__":
