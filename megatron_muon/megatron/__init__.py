@@ -12,3 +12,6 @@ def register_into_megatron() -> None:
     from megatron_muon.megatron import dist_muon
 
     dist_muon.register_dist_muon()
+    from megatron_muon.megatron import tensor_fallbacks
+
+    tensor_fallbacks.install_foreach_fallbacks()

@@ -1,0 +1,48 @@
+"""Foreach replacements of megatron's TE/Apex-less multi-tensor fallbacks compute what megatron's do."""
+
+import pytest
+import torch
+from megatron.core import utils
+
+from megatron_muon.megatron.tensor_fallbacks import foreach_l2_norm, foreach_scale, install_foreach_fallbacks
+
+
+def _tensors(dtype=torch.float32):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator).to(dtype) for shape in [(7, 5), (3,), (64, 33), (1,), (2, 2, 9)]]
+
+
+def test_l2_norm_matches_the_exact_global_norm():
+    tensors = _tensors()
+    flag = torch.zeros(1, dtype=torch.int)
+    norm, per_tensor = foreach_l2_norm(2048, flag, [tensors[:2], tensors[2:]], False)
+    expected = torch.cat([t.double().flatten() for t in tensors]).norm()
+    assert per_tensor is None and norm.shape == (1,) and norm.dtype == torch.float32
+    torch.testing.assert_close(norm.double(), expected.reshape(1), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="per_tensor"):
+        foreach_l2_norm(2048, flag, [tensors], True)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_scale_matches_megatrons_fallback(scale, in_place):
+    sources = _tensors()
+    expected_targets = [s.clone() for s in sources] if in_place else [torch.empty_like(s, dtype=torch.bfloat16)
+                                                                       for s in sources]
+    ours_targets = [t.clone() for t in expected_targets]
+    flag = torch.zeros(1, dtype=torch.int)
+    utils.local_multi_tensor_scale(2048, flag, [expected_targets if in_place else sources, expected_targets], scale)
+    foreach_scale(2048, flag, [ours_targets if in_place else sources, ours_targets], scale)
+    for ours, expected in zip(ours_targets, expected_targets):
+        assert torch.equal(ours, expected)
+
+
+def test_install_replaces_only_megatrons_local_fallbacks():
+    import megatron.core.optimizer.clip_grads as clip_grads
+
+    install_foreach_fallbacks()
+    assert install_foreach_fallbacks() == []  # idempotent: nothing left to replace
+    if clip_grads.multi_tensor_applier is utils.local_multi_tensor_applier:  # no TE/Apex here
+        assert clip_grads.l2_norm_impl is foreach_l2_norm and clip_grads.multi_tensor_scale_impl is foreach_scale
+    else:  # TE or Apex kernels stay
+        assert clip_grads.l2_norm_impl is not foreach_l2_norm
