@@ -45,9 +45,11 @@ class RowAlignedColumnParallelLinear(ColumnParallelLinear):
 
     The GDN in_proj has 2 * (qk + v) + 2 * heads rows (9228 for hybrid-1.5B): output rows that are not 16-byte
     aligned push cuBLAS onto slow non-TMA kernels for the forward and both backward GEMMs on Hopper. Padding the
-    rows (a 0.5% larger, aligned GEMM) and slicing the output keeps the parameter, its checkpoint layout and the
-    math unchanged. The padded copy has no ``main_grad``, so the weight gradient goes through ``param.grad``
-    (megatron's DDP hook accumulates it) instead of megatron's fused accumulation.
+    rows (a 0.5% larger, aligned GEMM) keeps the parameter, its checkpoint layout and the math unchanged. The output
+    keeps its zero pad columns (callers split them off with the sections), so the output gradient is assembled
+    once, aligned, instead of as a cat followed by a separate zero-padding pass. The padded copy has no
+    ``main_grad``, so the weight gradient goes through ``param.grad`` (megatron's DDP hook accumulates it) instead
+    of megatron's fused accumulation.
     """
 
     def _forward_impl(self, input, weight, *args, **kwargs):
@@ -59,8 +61,7 @@ class RowAlignedColumnParallelLinear(ColumnParallelLinear):
             kwargs["bias"] = F.pad(kwargs["bias"], (0, pad))
         if "gradient_accumulation_fusion" in kwargs:
             kwargs["gradient_accumulation_fusion"] = False
-        output = super()._forward_impl(input, F.pad(weight, (0, 0, 0, pad)), *args, **kwargs)
-        return output[..., :rows]
+        return super()._forward_impl(input, F.pad(weight, (0, 0, 0, pad)), *args, **kwargs)
 
 
 @dataclass
@@ -252,11 +253,14 @@ class GatedDeltaNet(MegatronModule):
         qk_local, v_local = s.qk_dim // tp, s.v_dim // tp
         k_heads, v_heads = s.num_key_heads // tp, s.num_value_heads // tp
 
-        projected, _ = self.in_proj(hidden_states)  # [s, b, in_proj_dim / tp]: the full sequence after the SP gather
+        projected, _ = self.in_proj(hidden_states)  # [s, b, in_proj_dim / tp (+ alignment pad)], full sequence
         projected = projected.transpose(0, 1)  # [b, s, ·]
-        qkv, z, beta_logits, alpha = torch.split(projected, [2 * qk_local + v_local, v_local, v_heads, v_heads], -1)
-        qkv = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu", cu_seqlens)
-        q, k, v = torch.split(qkv, [qk_local, qk_local, v_local], dim=-1)
+        sections = [2 * qk_local + v_local, v_local, v_heads, v_heads]
+        qkv, z, beta_logits, alpha, _ = torch.split(projected, [*sections, projected.shape[-1] - sum(sections)], -1)
+        qkv = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, None, cu_seqlens)
+        # SiLU per section: each result is a fresh contiguous tensor, which the kernels below need (a split view of
+        # the conv output would be copied by each of them); compiled, it is one fused pass.
+        q, k, v = (F.silu(part) for part in torch.split(qkv, [qk_local, qk_local, v_local], dim=-1))
         batch, seq = q.shape[0], q.shape[1]
         q = q.reshape(batch, seq, k_heads, s.key_head_dim)  # the op maps value head h to key head h // (Hv / Hk)
         k = k.reshape(batch, seq, k_heads, s.key_head_dim)

@@ -30,8 +30,20 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-6) -
             f"gated_rms_norm expects gate shaped like x and weight [D] with D = x.shape[-1]; got x {tuple(x.shape)}, "
             f"gate {tuple(gate.shape)}, weight {tuple(weight.shape)}. Reshape x and gate to [..., head_dim] first."
         )
+    if torch.compiler.is_compiling():
+        return _gated_rms_norm_composite(x, gate, weight, float(eps))
     y, _ = gated_rms_norm_fwd(x, gate, weight, float(eps))
     return y
+
+
+def _gated_rms_norm_composite(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The same math in plain torch ops, for compiled graphs: Inductor fuses it (and its autograd backward) into
+    reductions that read a strided gate in place, where the FLA kernel needs contiguous copies of the gate (in the
+    GDN layer a section of the in_proj output) forward and backward."""
+    dtype = _compute_dtype(x)
+    x_c = x.to(dtype)
+    normed = x_c * torch.rsqrt(x_c.square().mean(-1, keepdim=True) + eps)
+    return (normed * weight.to(dtype) * torch.nn.functional.silu(gate.to(dtype))).to(x.dtype)
 
 
 @torch.library.custom_op("megatron_muon::l2norm_fwd", mutates_args=())

@@ -61,3 +61,25 @@ def test_compile_fullgraph_no_breaks_no_recompiles_across_layers():
     assert counter.op_count > 0
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_gated_norm_equals_the_op_on_a_strided_gate():
+    """Compiled graphs take the composite gated RMSNorm (Inductor reads the strided gate in place); it must equal the
+    custom op: outputs and all three gradients, fp32 to rounding and bf16 to one bf16 rounding of the output."""
+    torch._dynamo.reset()
+    compiled = torch.compile(gated_rms_norm, backend="inductor", fullgraph=True)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        torch.manual_seed(3)
+        x = torch.randn(2, 33, 3, 16, dtype=dtype)
+        projected = torch.randn(2, 33, 3 * 16 + 5, dtype=dtype)  # the gate is a column section of a wider tensor
+        weight = 1 + 0.1 * torch.randn(16, dtype=dtype)
+        results = []
+        for fn in (gated_rms_norm, compiled):
+            leaves = [t.clone().requires_grad_() for t in (x, projected, weight)]
+            gate = leaves[1][..., 5:].unflatten(-1, (3, 16))
+            assert not gate.is_contiguous()
+            out = fn(leaves[0], gate, leaves[2])
+            out.float().square().sum().backward()
+            results.append([out, *(leaf.grad for leaf in leaves)])
+        for got, expected in zip(results[1], results[0]):
+            torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
