@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -156,6 +157,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
         row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
         traceback.print_exc()
     row["wall_s"] = time.perf_counter() - start
+    row["measured"] = f"{time.strftime('%Y-%m-%d %H:%M')} {args.revision}"
     del model, optimizer
     _free_memory()
     print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
@@ -173,10 +175,13 @@ def main(argv=None) -> None:
     parser.add_argument("--append", action="store_true", help="merge into the rungs already in --out's json")
     parser.add_argument("--profile-rung", default=None, help="profile two extra steps of this rung")
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/megatron_muon_e2e_data"))
+    parser.add_argument("--revision", default=None,
+                        help="code revision recorded with each rung (default: `git describe` of this checkout)")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         raise SystemExit(f"--warmup must be in [0, --steps), got warmup={args.warmup} steps={args.steps}")
     rungs = parse_rungs(args.rungs)
+    args.revision = args.revision or _git_revision()
 
     from megatron_muon import register
     from megatron_muon.training.distributed import init_distributed, shutdown_distributed
@@ -186,11 +191,14 @@ def main(argv=None) -> None:
     register()
     ctx = init_distributed(1, 1, torch_compile=True)
     json_path = args.out.with_suffix(".json")
-    rows = {}
+    rows, commands = {}, []
     if args.append and json_path.exists():
-        rows = {r["rung"]: r for r in json.loads(json_path.read_text())["rows"]}
+        previous = json.loads(json_path.read_text())
+        rows = {r["rung"]: r for r in previous["rows"]}
+        commands = previous["meta"].get("commands") or [previous["meta"]["command"]]
+    command = "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])])
     meta = {"recipe": args.recipe, "overrides": args.set, "steps": args.steps, "warmup": args.warmup,
-            "device": ctx.device_name, "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+            "device": ctx.device_name, "command": command, "commands": [*commands, command],
             "date": time.strftime("%Y-%m-%d"), **package_versions()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for rung in rungs:
@@ -199,6 +207,14 @@ def main(argv=None) -> None:
         rows[rung.key] = run_rung(recipe, rung, ctx, args, profile)
         write_report(args.out, json_path, rows, meta)  # after every rung: a run cut short keeps its numbers
     shutdown_distributed()
+
+
+def _git_revision() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -50,14 +50,15 @@ def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None
                     if k in meta),
         f"- recipe `{meta['recipe']}` {' '.join(meta['overrides'])}; {meta['steps']} steps per rung, timing = median of "
         f"the steps after the first {meta['warmup']}",
-        f"- command: `{meta['command']}`", "",
+        *(f"- command: `{command}`" for command in meta.get("commands") or [meta["command"]]), "",
         "| rung | what | ms/step | fwd+bwd ms | optimizer ms | opt share | tokens/s | MFU | all-SDPA MFU "
-        f"| speed-up vs rung {base_key or '1'} | breaks | graphs | recompiles | peak GiB | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| speed-up vs rung {base_key or '1'} | breaks | graphs | recompiles | peak GiB | final loss | measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows.values():
         if "error" in row:
-            lines.append(f"| {row['rung']} | {row['label']} | failed: {row['error']} |" + " |" * 12)
+            lines.append(f"| {row['rung']} | {row['label']} | failed: {row['error']} |" + " |" * 12
+                         + f" {row.get('measured', '')} |")
             continue
         speedup = f"{base / row['step_ms']:.2f}x" if base else ""
         lines.append(
@@ -65,7 +66,7 @@ def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None
             f"| {row['optimizer_ms']:.1f} | {row['optimizer_share']:.1%} | {row['tokens_per_s']:,.0f} "
             f"| {_fmt(row.get('mfu'), '.1%')} | {_fmt(row.get('mfu_all_sdpa'), '.1%')} | {speedup} "
             f"| {row.get('graph_breaks', '')} | {row.get('graphs', '')} | {row.get('recompiles', '')} "
-            f"| {_fmt(row.get('peak_memory_gib'), '.1f')} | {row['losses'][-1]:.4f} |")
+            f"| {_fmt(row.get('peak_memory_gib'), '.1f')} | {row['losses'][-1]:.4f} | {row.get('measured', '')} |")
     if "4" in rows and "6" in rows and "step_ms" in rows["4"] and "step_ms" in rows["6"]:
         lines += ["", f"Our Muon step vs the AdamW step on our spec (rung 6 / rung 4): "
                       f"{rows['6']['step_ms'] / rows['4']['step_ms']:.3f}x"]
