@@ -26,7 +26,7 @@ from bench_env import emit_markdown  # benchmarks/ is the script's directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_muon.optimizer import Muon  # noqa: E402
+from megatron_muon.optimizer import Muon, fused_elementwise  # noqa: E402
 
 # (name, rows, cols, fused sections per group or None, count); hidden 2048, 24 layers "GGG*", SwiGLU 5632,
 # 16 heads / 4 KV groups of 128, GDN 6 heads (key 256, value 512).
@@ -85,20 +85,31 @@ def timed(step, device, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def breakdown(optimizer: Muon, params, device, warmup: int, repeats: int) -> dict[str, float]:
-    """Where our step's time goes: the batched Newton–Schulz calls alone, the nesterov blend into the stacked NS
-    inputs alone, and the rest of the step (finite check, momentum EMA, weight decay, parameter updates)."""
+BREAKDOWN_ROWS = {
+    "step": "step",
+    "ns": "Newton–Schulz (batched calls alone)",
+    "stacking": "building the NS stacks (fused: momentum EMA + Nesterov blend; unfused: Nesterov blend)",
+    "rest": "rest (finite check, weight decay, updates; unfused also the foreach momentum EMA)",
+    "elementwise": "everything but Newton–Schulz",
+}
+
+
+@torch.no_grad()
+def breakdown(optimizer: Muon, device, warmup: int, repeats: int) -> dict[str, float]:
+    """Where our step's time goes: the batched Newton–Schulz calls alone, building the stacked NS inputs alone,
+    and the rest of the step. With the fused elementwise passes the momentum EMA moves from the rest into the
+    stacking, and the weight decay into the updates; "everything but Newton–Schulz" compares across both."""
     optimizer.step()  # builds the plan and the momentum buffers
     plan = optimizer._plan_cache[1]
-    sources = [(p.grad, optimizer.state[p]["momentum_buffer"]) for p in plan.params]
+    fused = fused_elementwise.use_fused(optimizer.fused_elementwise, device)
+    sources = optimizer._momentum_sources(plan.params, [p.grad for p in plan.params], plan.group_of, fused)
     stack_all = lambda: [optimizer._stack_updates(b, plan, sources) for b in plan.buckets]  # noqa: E731
     stacks = stack_all()
     ns_all = lambda: [optimizer._orthogonalize_bucket(b, s, True) for b, s in zip(plan.buckets, stacks)]  # noqa: E731
     total = timed(optimizer.step, device, warmup, repeats)
     ns = timed(ns_all, device, warmup, repeats)
     stacking = timed(stack_all, device, warmup, repeats)
-    return {"step": total, "Newton–Schulz": ns, "nesterov blend into stacks": stacking,
-            "rest (finite check, momentum, decay, updates)": total - ns - stacking}
+    return {"step": total, "ns": ns, "stacking": stacking, "rest": total - ns - stacking, "elementwise": total - ns}
 
 
 def make_variants(has_cuda: bool):
@@ -117,6 +128,8 @@ def make_variants(has_cuda: bool):
             "matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", batched=False)),
         "ours (auto, MegaBatch, fused splits, finite check off)": (
             "matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", check_finite=False)),
+        "ours (auto, MegaBatch, fused splits, fused elementwise off)": (
+            "matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", fused_elementwise=False)),
     }
     try:
         from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS, TensorParallelMuon
@@ -149,7 +162,8 @@ def main() -> None:
     results = {}
     variants = make_variants(device.type == "cuda")
     if args.only_ours:
-        keep = ("fused AdamW, all params", "fused AdamW, non-matrix rest", "ours (auto, MegaBatch, fused splits)")
+        keep = ("fused AdamW, all params", "fused AdamW, non-matrix rest", "ours (auto, MegaBatch, fused splits)",
+                "ours (auto, MegaBatch, fused splits, fused elementwise off)")
         variants = {k: v for k, v in variants.items() if k in keep}
     for name, (which, factory) in variants.items():
         for p, saved in zip(matrices + rest, snapshot):
@@ -161,11 +175,15 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    for p, saved in zip(matrices + rest, snapshot):
-        p.data.copy_(saved)
-    parts = breakdown(Muon(matrices, lr=0.02, scale_mode="spectral"), matrices, device, args.warmup, args.repeats)
-    for name, ms in parts.items():
-        print(f"breakdown of ours (auto, MegaBatch, fused splits): {name:46s} {ms:9.2f} ms", flush=True)
+    parts = {}
+    for setting in ("auto", False):  # "auto": fused elementwise passes where Triton runs (CUDA)
+        for p, saved in zip(matrices + rest, snapshot):
+            p.data.copy_(saved)
+        optimizer = Muon(matrices, lr=0.02, scale_mode="spectral", fused_elementwise=setting)
+        parts[setting] = breakdown(optimizer, device, args.warmup, args.repeats)
+        del optimizer
+        for key, ms in parts[setting].items():
+            print(f"breakdown, fused elementwise {setting}: {BREAKDOWN_ROWS[key][:40]:40s} {ms:9.2f} ms", flush=True)
 
     adamw = results["fused AdamW, all params"]
     rest_ms = results["fused AdamW, non-matrix rest"]
@@ -175,9 +193,12 @@ def main() -> None:
             rows.append((f"{name} + AdamW rest", ms + rest_ms, (ms + rest_ms) / adamw))
     table = ["| optimizer step | ms | × fused AdamW (all params) |", "|---|---:|---:|"]
     table += [f"| {name} | {ms:.2f} | {ratio:.2f} |" for name, ms, ratio in rows]
-    table += ["", "Breakdown of ours (auto, MegaBatch, fused splits), each part timed alone:", "",
-              "| part | ms | × fused AdamW (all params) |", "|---|---:|---:|"]
-    table += [f"| {name} | {ms:.2f} | {ms / adamw:.2f} |" for name, ms in parts.items()]
+    fused_on = fused_elementwise.use_fused("auto", device)
+    table += ["", "Breakdown of ours (auto, MegaBatch, fused splits), each part timed alone; fused elementwise "
+              f"'auto' is {'on (Triton)' if fused_on else 'off here (no Triton GPU)'}:", "",
+              "| part | fused elementwise: auto, ms | off, ms |", "|---|---:|---:|"]
+    table += [f"| {label} | {parts['auto'][key]:.2f} | {parts[False][key]:.2f} |"
+              for key, label in BREAKDOWN_ROWS.items()]
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
     import triton
 

@@ -37,7 +37,7 @@ from megatron_muon.distributed.plan import (
 )
 from megatron_muon.distributed.profile import profiled_cost
 from megatron_muon.kernels.newton_schulz import work_dtype
-from megatron_muon.optimizer import muon_math
+from megatron_muon.optimizer import fused_elementwise, muon_math
 from megatron_muon.optimizer.muon import Muon, _freeze
 from megatron_muon.optimizer.routing import piece_as_matrices, piece_matrix_shape, piece_views
 
@@ -318,6 +318,7 @@ class OwnerMuon(Muon):
             raise ValueError(f"OwnerMuon needs a gradient for every parameter on every rank, but {missing[:3]} have "
                              "none; keep unused parameters out of the optimizer or zero their grads (set_to_none=False)")
         grads = [p.grad for p in params]
+        fused = fused_elementwise.use_fused(self.fused_elementwise, params[0].device)
         self._ensure_plan(params, group_of, names)
         if self.check_finite:
             self._check_finite_everywhere(grads, params, group_of, names)
@@ -357,7 +358,7 @@ class OwnerMuon(Muon):
             delivery.launch(round_units, self._orthogonalize_owned(mine, group_of_unit, param_dtypes) if mine else {})
 
         for gi, group in enumerate(self.param_groups):  # local work while the last rounds travel
-            members = [i for i, g in enumerate(group_of) if g == gi]
+            members = [i for i, g in enumerate(group_of) if g == gi and not fused]  # fused: decay in the update
             muon_math.apply_weight_decay_([params[i] for i in members], lr=group["lr"],
                                           weight_decay=group["weight_decay"], mode=group["weight_decay_mode"])
         local = delivery.finish()
@@ -371,5 +372,5 @@ class OwnerMuon(Muon):
             targets.append(target)
             chunks.append(chunk.view(target.shape))
         for (gi, scale), (targets, chunks) in by_scale.items():
-            muon_math.apply_updates_(targets, chunks, lr=self.param_groups[gi]["lr"], scale=scale)
+            self._apply_updates(gi, targets, chunks, scale, fused)  # units partition each parameter: decay once
         return loss

@@ -1,21 +1,26 @@
 """Muon as a `torch.optim.Optimizer`, updating parameters grouped by matrix shape ("MegaBatch").
 
-Each step: foreach momentum-buffer EMA per param group, then per shape bucket (matrices of equal shape from any
-layer, expert or fused part) the nesterov blend written straight into one stacked bf16 NS input, one batched
-Newton–Schulz returning its fp16 result, and in-place parameter updates with the shape's scale folded into the
-step size. No fp32 copy of the updates is materialized between those passes. The bucket plan is built lazily in `step()` and rebuilt whenever the set of parameters with
-gradients changes, because Megatron narrows param groups and swaps in fp32 master copies after construction.
+Each step, per shape bucket (matrices of equal shape from any layer, expert or fused part): the momentum EMA and
+Nesterov blend written straight into one stacked bf16 NS input, one batched Newton–Schulz returning its fp16
+result, and in-place parameter updates (weight decay included) with the shape's scale folded into the step size.
+On CUDA the elementwise work is one Triton pass per matrix piece (`fused_elementwise`); elsewhere the EMA and the
+decay run foreach per param group first. No fp32 copy of the updates is materialized between those passes. The
+bucket plan is built lazily in `step()` and rebuilt whenever the set of parameters with gradients changes, because
+Megatron narrows param groups and swaps in fp32 master copies after construction.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from megatron_muon.kernels import resolve_coefficients
 from megatron_muon.kernels.newton_schulz import METHODS, work_dtype
+from megatron_muon.optimizer import fused_elementwise as fused_passes
 from megatron_muon.optimizer import muon_math
 from megatron_muon.optimizer.routing import (
     MatrixLayout,
@@ -48,6 +53,14 @@ class _Bucket:
     items: list[tuple[int, int]] = field(default_factory=list)  # (param index in the plan, piece index)
 
 
+class _Source(NamedTuple):
+    """A parameter's gradient (after l2) and momentum buffer; `ema_pending`: the fused pass still owes the EMA."""
+
+    grad: torch.Tensor
+    buffer: torch.Tensor
+    ema_pending: bool
+
+
 @dataclass
 class _Plan:
     params: list[torch.Tensor]
@@ -75,6 +88,8 @@ class Muon(torch.optim.Optimizer):
             over `tp_group_fn(param)` before NS (TP-invariant); `blockwise` orthogonalizes local shards.
         layout_fn: `(param) -> MatrixLayout` override of the attribute-based layout.
         check_finite: raise naming the parameter on a NaN/Inf gradient, before any state changes.
+        fused_elementwise: "auto" (Triton on CUDA), True or False: momentum + Nesterov blend, and weight decay +
+            update, each as one pass per matrix piece instead of several torch passes (same rounding).
     """
 
     def __init__(
@@ -100,6 +115,7 @@ class Muon(torch.optim.Optimizer):
         tp_group_fn: Callable[[torch.Tensor], object] | None = None,
         layout_fn: Callable[[torch.Tensor], MatrixLayout] | None = None,
         check_finite: bool = True,
+        fused_elementwise="auto",
     ):
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -122,6 +138,8 @@ class Muon(torch.optim.Optimizer):
         self.tp_group_fn = tp_group_fn
         self.layout_fn = layout_fn
         self.check_finite = check_finite
+        fused_passes.check_setting(fused_elementwise)
+        self.fused_elementwise = fused_elementwise
         self._plan_cache: tuple[tuple, _Plan] | None = None
         super().__init__(params, defaults)
 
@@ -209,7 +227,9 @@ class Muon(torch.optim.Optimizer):
                 key = (shape, ns_key, id(tp_group), partition_dim)
                 bucket = buckets.setdefault(key, _Bucket(shape, group_of[index], tp_group, partition_dim))
                 bucket.items.append((index, piece_index))
-        return _Plan(params, group_of, layouts, list(buckets.values()) + singles)
+        plan = _Plan(params, group_of, layouts, list(buckets.values()) + singles)
+        _assert_pieces_cover_params(plan)
+        return plan
 
     def _plan(self, params: list[torch.Tensor], group_of: list[int]) -> _Plan:
         key = tuple(zip(map(id, params), group_of))
@@ -271,25 +291,8 @@ class Muon(torch.optim.Optimizer):
         if self.check_finite:
             self._check_grads_finite(params, grads, group_of)
         plan = self._plan(params, group_of)
-
-        # Momentum buffers and weight decay, foreach per param group.
-        sources: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(params)
-        for group_index, group in enumerate(self.param_groups):
-            members = [i for i, g in enumerate(group_of) if g == group_index]
-            if not members:
-                continue
-            group_params = [params[i] for i in members]
-            group_grads = [grads[i] for i in members]
-            if group["weight_decay_mode"] == "l2":
-                group_grads = muon_math.l2_regularized(group_grads, group_params, group["weight_decay"])
-            buffers = [self._momentum_buffer(p) for p in group_params]
-            muon_math.momentum_buffers_update_(group_grads, buffers, group["momentum"])
-            for i, grad, buffer in zip(members, group_grads, buffers):
-                sources[i] = (grad, buffer)
-            muon_math.apply_weight_decay_(
-                group_params, lr=group["lr"], weight_decay=group["weight_decay"], mode=group["weight_decay_mode"]
-            )
-
+        fused = fused_passes.use_fused(self.fused_elementwise, params[0].device)
+        sources = self._momentum_sources(params, grads, group_of, fused)
         for bucket in plan.buckets:
             stacked = self._stack_updates(bucket, plan, sources)
             # 16-bit parameters keep the stack-dtype result: their rounding then matches the distributed owners'.
@@ -308,8 +311,46 @@ class Muon(torch.optim.Optimizer):
             for owner, (group_targets, chunks) in by_group.items():
                 group = self.param_groups[owner]
                 scale = muon_math.update_scale(full_shape, group["scale_mode"], group["extra_scale"])
-                muon_math.apply_updates_(group_targets, chunks, lr=group["lr"], scale=scale)
+                self._apply_updates(owner, group_targets, chunks, scale, fused)
         return loss
+
+    def _momentum_sources(self, params, grads, group_of, fused: bool) -> list[_Source]:
+        """Gradients (l2 applied) and buffers per parameter. Unfused, the momentum EMA and the weight decay run
+        here, foreach per param group; fused, the per-piece passes do both (l2 groups keep the foreach EMA)."""
+        sources: list[_Source | None] = [None] * len(params)
+        for group_index, group in enumerate(self.param_groups):
+            members = [i for i, g in enumerate(group_of) if g == group_index]
+            if not members:
+                continue
+            group_params = [params[i] for i in members]
+            group_grads = [grads[i] for i in members]
+            if group["weight_decay_mode"] == "l2":
+                group_grads = muon_math.l2_regularized(group_grads, group_params, group["weight_decay"])
+            buffers = [self._momentum_buffer(p) for p in group_params]
+            # Piece views alias only a contiguous buffer; any other takes the foreach EMA.
+            pending = [fused and group["weight_decay_mode"] != "l2" and b.is_contiguous() for b in buffers]
+            eager = [k for k, p in enumerate(pending) if not p]
+            muon_math.momentum_buffers_update_([group_grads[k] for k in eager], [buffers[k] for k in eager],
+                                               group["momentum"])
+            for i, grad, buffer, ema_pending in zip(members, group_grads, buffers, pending):
+                sources[i] = _Source(grad, buffer, ema_pending)
+            if not fused:
+                muon_math.apply_weight_decay_(
+                    group_params, lr=group["lr"], weight_decay=group["weight_decay"], mode=group["weight_decay_mode"]
+                )
+        return sources
+
+    def _apply_updates(self, group_index: int, targets, chunks, scale: float, fused: bool) -> None:
+        """targets ← targets - lr·scale·chunks; fused, the group's weight decay is applied in the same pass."""
+        group = self.param_groups[group_index]
+        if not fused:
+            muon_math.apply_updates_(targets, chunks, lr=group["lr"], scale=scale)
+            return
+        decay = muon_math.weight_decay_factor(
+            lr=group["lr"], weight_decay=group["weight_decay"], mode=group["weight_decay_mode"]
+        )
+        for target, chunk in zip(targets, chunks):
+            fused_passes.decay_and_update_(target, chunk, decay=decay, alpha=-group["lr"] * scale)
 
     def _stack_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return muon_math.stack_dtype(grad_dtype, self.compute_dtype)
@@ -318,16 +359,33 @@ class Muon(torch.optim.Optimizer):
         """The bucket's momentum updates as one [b, rows, cols] NS input, each blended straight into its slot."""
         pieces = []
         for index, piece_index in bucket.items:
-            grad, buffer = sources[index]
+            grad, buffer, ema_pending = sources[index]
             layout = plan.layouts[index]
-            pieces.append((index, piece_views(grad, layout)[piece_index], piece_views(buffer, layout)[piece_index]))
+            pieces.append((index, piece_views(grad, layout)[piece_index], piece_views(buffer, layout)[piece_index],
+                           ema_pending))
         dtype = self._stack_dtype(pieces[0][1].dtype)
-        count = sum(piece.shape[0] for _, piece, _ in pieces)
+        count = sum(piece[1].shape[0] for piece in pieces)
         stacked = torch.empty((count, *bucket.shape), dtype=dtype, device=pieces[0][1].device)
         offset = 0
-        for index, grad_piece, buffer_piece in pieces:
+        for index, grad_piece, buffer_piece, ema_pending in pieces:
             group = self.param_groups[plan.group_of[index]]
             slot = stacked[offset : offset + grad_piece.shape[0]].view(grad_piece.shape)
             offset += grad_piece.shape[0]
-            muon_math.nesterov_into_(grad_piece, buffer_piece, slot, group["momentum"], group["nesterov"])
+            if ema_pending:  # each piece is in exactly one bucket: the EMA covers every buffer element once
+                fused_passes.momentum_into_slot_(
+                    grad_piece, buffer_piece, slot, momentum=group["momentum"], nesterov=group["nesterov"]
+                )
+            else:
+                muon_math.nesterov_into_(grad_piece, buffer_piece, slot, group["momentum"], group["nesterov"])
         return stacked
+
+
+def _assert_pieces_cover_params(plan: _Plan) -> None:
+    """Every piece of every parameter sits in exactly one bucket and the pieces partition the parameter: the
+    per-piece passes (momentum EMA, weight decay) then touch each element exactly once per step."""
+    seen = Counter(item for bucket in plan.buckets for item in bucket.items)
+    for index, (param, layout) in enumerate(zip(plan.params, plan.layouts)):
+        pieces = piece_views(param, layout)
+        assert all(seen[(index, k)] == 1 for k in range(len(pieces))), f"pieces of parameter {index} not bucketed once"
+        assert sum(piece.numel() for piece in pieces) == param.numel(), f"pieces of parameter {index} do not cover it"
+    assert sum(seen.values()) == sum(len(piece_views(p, l)) for p, l in zip(plan.params, plan.layouts))

@@ -105,14 +105,20 @@ def l2_regularized(grads: list[torch.Tensor], params: list[torch.Tensor], weight
     return list(torch._foreach_add(grads, [p.to(g.dtype) for p, g in zip(params, grads)], alpha=weight_decay))
 
 
-def apply_weight_decay_(params: list[torch.Tensor], *, lr: float, weight_decay: float, mode: str) -> None:
-    """Shrink parameters in place: decoupled p ← p(1 - lr·λ), independent p ← p(1 - λ); `l2` acts on gradients."""
+def weight_decay_factor(*, lr: float, weight_decay: float, mode: str) -> float:
+    """The parameters' multiplier: decoupled 1 - lr·λ, independent 1 - λ; 1 for `l2` (it acts on gradients)."""
     if mode not in WEIGHT_DECAY_MODES:
         raise ValueError(f"unknown weight_decay_mode {mode!r}; valid choices: {WEIGHT_DECAY_MODES}")
-    if weight_decay == 0.0 or mode == "l2" or not params:
-        return
-    factor = 1.0 - (lr * weight_decay if mode == "decoupled" else weight_decay)
-    torch._foreach_mul_(params, factor)
+    if weight_decay == 0.0 or mode == "l2":
+        return 1.0
+    return 1.0 - (lr * weight_decay if mode == "decoupled" else weight_decay)
+
+
+def apply_weight_decay_(params: list[torch.Tensor], *, lr: float, weight_decay: float, mode: str) -> None:
+    """Shrink parameters in place: decoupled p ← p(1 - lr·λ), independent p ← p(1 - λ); `l2` acts on gradients."""
+    factor = weight_decay_factor(lr=lr, weight_decay=weight_decay, mode=mode)
+    if factor != 1.0 and params:
+        torch._foreach_mul_(params, factor)
 
 
 def orthogonal_update(

@@ -1,0 +1,254 @@
+"""One-pass Triton versions of Muon's elementwise work on a matrix piece, with the torch sequence as fallback.
+
+`momentum_into_slot_` replaces the momentum EMA, the cast to the gradient dtype and the Nesterov lerp into the
+stacked Newton–Schulz input (three to five passes over memory) by one read of gradient and buffer and one write of
+buffer and slot. `decay_and_update_` replaces the weight-decay multiply and the in-place add of the NS result by
+one read-modify-write of the parameter. The torch sequence in `muon_math` is the reference and the fallback: on CPU,
+without Triton, or for a dtype or layout the kernels do not cover.
+
+Rounding follows the torch sequence: math in fp32, each value rounded to a tensor's dtype where torch stores it,
+lerps and adds as one fma (what torch's CUDA and CPU kernels compute), so fp32 momentum buffers and fp32 parameters
+come out bit-identical. Under TRITON_INTERPRET=1 (CPU tests) the interpreter's fma and fp32→bf16 cast are not
+the GPU's (two roundings; truncation), so the kernels emulate both exactly there.
+
+Inputs are views [rows, cols], [blocks, rows, cols] or routing's pieces [experts, groups, rows, cols] with unit
+column stride and any row/block strides (a 4-D view also needs experts and groups to merge into one block dim,
+as they do for a contiguous parameter; anything else takes the fallback); offsets are int64.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import torch
+
+from megatron_muon.optimizer import muon_math
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch fallback serves every call
+    triton = None
+
+_COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SETTINGS = ("auto", True, False)
+
+
+def supported(device: torch.device) -> bool:
+    """The Triton passes run here: CUDA tensors with Triton, or CPU tensors under TRITON_INTERPRET=1."""
+    if triton is None:
+        return False
+    return device.type == "cpu" if _INTERPRETING else device.type == "cuda"
+
+
+def use_fused(setting, device: torch.device) -> bool:
+    """Resolve a `fused_elementwise` setting ("auto", True, False) for tensors on `device`."""
+    if setting == "auto":
+        return supported(device)
+    if setting is True and not supported(device):
+        raise ValueError(
+            f"fused_elementwise=True needs Triton and CUDA tensors (or TRITON_INTERPRET=1 on CPU); got {device} "
+            f"tensors{'' if triton is not None else ' and no Triton'}. Use fused_elementwise='auto' or False"
+        )
+    return bool(setting)
+
+
+def check_setting(setting) -> None:
+    if not (setting is True or setting is False or setting == "auto"):
+        raise ValueError(f"fused_elementwise must be one of {SETTINGS}, got {setting!r}")
+
+
+def _blocks_rows_cols(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """t read as [blocks, rows, cols] (experts and groups of a 4-D piece merged)."""
+    if t.ndim == 2:
+        return 1, t.shape[0], t.shape[1]
+    if t.ndim == 3:
+        return t.shape[0], t.shape[1], t.shape[2]
+    if t.ndim == 4:
+        return t.shape[0] * t.shape[1], t.shape[2], t.shape[3]
+    return None
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int] | None:
+    """(block stride, row stride) of t as [blocks, rows, cols], or None when unit column stride or a mergeable
+    leading pair is missing, or the dtype is not covered."""
+    if t.dtype not in _COVERED_DTYPES or (t.shape[-1] > 1 and t.stride(-1) != 1):
+        return None
+    if t.ndim == 2:
+        return 0, t.stride(0)
+    if t.ndim == 3:
+        return t.stride(0), t.stride(1)
+    experts, groups = t.shape[0], t.shape[1]
+    if groups == 1:
+        return t.stride(0), t.stride(2)
+    if experts == 1 or t.stride(0) == groups * t.stride(1):
+        return t.stride(1), t.stride(2)
+    return None
+
+
+def _lerp_weight_small(weight: float) -> bool:
+    """torch.lerp's formula choice, made on the weight as its kernels see it (fp32)."""
+    return abs(struct.unpack("f", struct.pack("f", weight))[0]) < 0.5
+
+
+def _launch(rows: int, cols: int) -> tuple[tuple[int, int], dict]:
+    """Grid and tile: each program covers ROWS×BLOCK ≈ 2048 elements of up to ROWS rows (narrow matrices get
+    several rows per program)."""
+    block = min(2048, triton.next_power_of_2(cols))
+    tile_rows = min(2048 // block, triton.next_power_of_2(rows))
+    grid = (triton.cdiv(rows, tile_rows), triton.cdiv(cols, block))
+    return grid, dict(ROWS=tile_rows, BLOCK=block, num_warps=max(1, min(8, tile_rows * block // 256)))
+
+
+def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool) -> None:
+    """buffer ← buffer + (1-β)(grad - buffer) in the buffer's dtype; slot ← the Nesterov blend
+    grad + β(buffer - grad) (or the buffer) in the slot's dtype. One pass per piece on the GPU.
+
+    Equals `muon_math.momentum_buffers_update_` followed by `muon_math.nesterov_into_` on the same tensors.
+    """
+    assert grad.shape == buffer.shape == slot.shape, (grad.shape, buffer.shape, slot.shape)
+    geometry = _blocks_rows_cols(grad)
+    strides = [_strides(t) for t in (grad, buffer, slot)] if geometry is not None else [None]
+    if triton is None or any(s is None for s in strides) or not supported(grad.device):
+        muon_math.momentum_buffers_update_([grad], [buffer], momentum)
+        muon_math.nesterov_into_(grad, buffer, slot, momentum, nesterov)
+        return
+    blocks, rows, cols = geometry
+    if blocks * rows * cols == 0:
+        return
+    grid, tile = _launch(blocks * rows, cols)
+    ema_weight, blend_weight = 1.0 - momentum, float(momentum)
+    _momentum_kernel[grid](
+        grad, buffer, slot, blocks * rows, rows, cols, *strides[0], *strides[1], *strides[2], ema_weight,
+        blend_weight, EMA_SMALL=_lerp_weight_small(ema_weight), BLEND_SMALL=_lerp_weight_small(blend_weight),
+        NESTEROV=bool(nesterov), EMULATE=_INTERPRETING, **tile,
+    )  # fmt: skip
+
+
+def decay_and_update_(target, update, *, decay: float, alpha: float) -> None:
+    """target ← target·decay + alpha·update, computed in fp32 and stored in the target's dtype; `update` (the NS
+    result, often narrower) is read as it is. One pass per piece on the GPU.
+
+    Equals `target.mul_(decay)` followed by `muon_math.apply_updates_` (lr·scale = -alpha) on the same tensors.
+    """
+    assert target.shape == update.shape, (target.shape, update.shape)
+    geometry = _blocks_rows_cols(target)
+    strides = [_strides(t) for t in (target, update)] if geometry is not None else [None]
+    if triton is None or any(s is None for s in strides) or not supported(target.device):
+        if decay != 1.0:
+            target.mul_(decay)
+        muon_math.apply_updates_([target], [update], lr=-alpha, scale=1.0)
+        return
+    blocks, rows, cols = geometry
+    if blocks * rows * cols == 0:
+        return
+    grid, tile = _launch(blocks * rows, cols)
+    _decay_update_kernel[grid](
+        target, update, blocks * rows, rows, cols, *strides[0], *strides[1], float(decay), float(alpha),
+        EMULATE=_INTERPRETING, **tile,
+    )  # fmt: skip
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+        """fp32 `x` rounded to nearest-even in DTYPE (the interpreter's own fp32→bf16 cast truncates)."""
+        if EMULATE and DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            nearest = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            bits = tl.where(x == x, nearest, (bits >> 16) | 0x40)
+            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return x.to(DTYPE)
+
+    @triton.jit
+    def _through(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+        """fp32 `x` as torch sees it after storing it in DTYPE and reading it back."""
+        if DTYPE == tl.float32:
+            return x
+        return _round(x, DTYPE, EMULATE).to(tl.float32)
+
+    @triton.jit
+    def _fma(a, b, c, EMULATE: tl.constexpr):
+        """a·b + c with one rounding (the interpreter multiplies and adds in fp32; fp64 holds a·b exactly)."""
+        if EMULATE:
+            return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+        return tl.fma(a, b, c)
+
+    @triton.jit
+    def _tile(total_rows, rows, cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's rows as (block, row-in-block) int64 vectors, its columns, and the bounds mask."""
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = (row < total_rows)[:, None] & (col < cols)[None, :]
+        return row // rows, row % rows, col[None, :], mask
+
+    @triton.jit
+    def _at(Base, block, row, col, block_stride, row_stride):
+        return Base + (block * block_stride + row * row_stride)[:, None] + col
+
+    @triton.jit
+    def _fp32_scalar(x, EMULATE: tl.constexpr):
+        """A float kernel argument in fp32 (the interpreter passes Python floats, which would compute in fp64)."""
+        if EMULATE:
+            return tl.full([1, 1], x, tl.float32)
+        return x
+
+    @triton.jit
+    def _lerp(start, end, weight, SMALL: tl.constexpr, EMULATE: tl.constexpr):
+        """torch.lerp's two formulas: start + w(end - start) for |w| < 0.5, else end - (end - start)(1 - w)."""
+        if SMALL:
+            return _fma(weight, end - start, start, EMULATE)
+        return _fma(weight - 1.0, end - start, end, EMULATE)
+
+    @triton.jit
+    def _momentum_kernel(
+        Grad, Buffer, Slot, total_rows, rows, cols,
+        grad_block_stride, grad_row_stride, buffer_block_stride, buffer_row_stride,
+        slot_block_stride, slot_row_stride,
+        ema_weight, blend_weight,
+        EMA_SMALL: tl.constexpr, BLEND_SMALL: tl.constexpr, NESTEROV: tl.constexpr,
+        EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        block, row, col, mask = _tile(total_rows, rows, cols, ROWS, BLOCK)
+        grad_at = _at(Grad, block, row, col, grad_block_stride, grad_row_stride)
+        buffer_at = _at(Buffer, block, row, col, buffer_block_stride, buffer_row_stride)
+        grad = tl.load(grad_at, mask=mask).to(tl.float32)
+        buffer = tl.load(buffer_at, mask=mask).to(tl.float32)
+        ema_weight = _fp32_scalar(ema_weight, EMULATE)
+        blend_weight = _fp32_scalar(blend_weight, EMULATE)
+        buffer_dtype: tl.constexpr = Buffer.dtype.element_ty
+        grad_dtype: tl.constexpr = Grad.dtype.element_ty
+        if buffer_dtype != grad_dtype:  # torch lerps the gradient cast to the buffer's dtype
+            new = _lerp(buffer, _through(grad, buffer_dtype, EMULATE), ema_weight, EMA_SMALL, EMULATE)
+        else:
+            new = _lerp(buffer, grad, ema_weight, EMA_SMALL, EMULATE)
+        stored = _round(new, buffer_dtype, EMULATE)
+        tl.store(buffer_at, stored, mask=mask)
+        new = stored.to(tl.float32)
+        if buffer_dtype != grad_dtype:  # ... and blends the buffer cast to the gradient's dtype
+            new = _through(new, grad_dtype, EMULATE)
+        if NESTEROV:  # torch.lerp(out=slot) rounds to the inputs' dtype before the slot's
+            new = _through(_lerp(grad, new, blend_weight, BLEND_SMALL, EMULATE), grad_dtype, EMULATE)
+        slot_at = _at(Slot, block, row, col, slot_block_stride, slot_row_stride)
+        tl.store(slot_at, _round(new, Slot.dtype.element_ty, EMULATE), mask=mask)
+
+    @triton.jit
+    def _decay_update_kernel(
+        Target, Update, total_rows, rows, cols,
+        target_block_stride, target_row_stride, update_block_stride, update_row_stride,
+        decay, alpha,
+        EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        block, row, col, mask = _tile(total_rows, rows, cols, ROWS, BLOCK)
+        target_at = _at(Target, block, row, col, target_block_stride, target_row_stride)
+        update_at = _at(Update, block, row, col, update_block_stride, update_row_stride)
+        target = tl.load(target_at, mask=mask).to(tl.float32)
+        update = tl.load(update_at, mask=mask).to(tl.float32)
+        target_dtype: tl.constexpr = Target.dtype.element_ty
+        # torch stores the decayed parameter first, then adds alpha·update in one fma
+        decayed = _through(target * _fp32_scalar(decay, EMULATE), target_dtype, EMULATE)
+        new = _fma(_fp32_scalar(alpha, EMULATE), update, decayed, EMULATE)
+        tl.store(target_at, _round(new, target_dtype, EMULATE), mask=mask)

@@ -1,0 +1,173 @@
+"""Run under TRITON_INTERPRET=1 in a subprocess: the fused elementwise passes on CPU against the torch sequence.
+
+Momentum: bit-exact for every dtype mix (the interpreter kernels emulate the GPU's fma and bf16 rounding, and
+torch's CPU lerp is an fma too). Decay + update: bit-exact with the torch path for fp32 parameters and with a
+one-fma fp32 reference for all; 16-bit parameters stay near the torch path, whose CPU add rounds alpha to the
+parameter's dtype (the kernel keeps alpha in fp32, as torch's CUDA add does).
+"""
+
+import itertools
+import sys
+
+import torch
+
+from megatron_muon.distributed.owner_muon import OwnerMuon
+from megatron_muon.optimizer import Muon, fused_elementwise, muon_math
+from megatron_muon.optimizer.routing import MatrixLayout, piece_views
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FAILURES: list[str] = []
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        FAILURES.append(what)
+
+
+def strided_pieces(dtype, generator, scale=1.0):
+    """Same-shaped views of one fresh tensor: routing's 4-D fused-QKV piece (experts 2, groups 3), a 3-D slice
+    with a row stride, and a 2-D view of every other row (cols not a power of two: masked tail)."""
+    qkv = (torch.randn(2 * 3 * 9, 40, generator=generator) * scale).to(dtype)
+    yield "qkv piece", qkv, lambda t: piece_views(t, MatrixLayout(num_experts=2, split_sections=(5, 2, 2)))[0]
+    slab = (torch.randn(3, 12, 37, generator=generator) * scale).to(dtype)
+    yield "3-D slice", slab, lambda t: t[:, 2:8]
+    rows = (torch.randn(22, 33, generator=generator) * scale).to(dtype)
+    yield "2-D every other row", rows, lambda t: t[::2]
+
+
+def check_momentum(generator) -> None:
+    mixes = list(itertools.product(DTYPES, (torch.float32, torch.bfloat16), DTYPES))
+    cases = [(g, b, s, True, 0.95) for g, b, s in mixes]
+    cases += [(torch.float32, torch.float32, torch.bfloat16, False, 0.95), (torch.bfloat16, torch.float32,
+              torch.float16, False, 0.95), (torch.float32, torch.float32, torch.bfloat16, True, 0.3)]
+    for grad_dtype, buffer_dtype, slot_dtype, nesterov, momentum in cases:
+        grads = strided_pieces(grad_dtype, generator)
+        buffers = strided_pieces(buffer_dtype, generator, scale=0.5)
+        for (layout, grad_base, view), (_, buffer_base, _) in zip(grads, buffers):
+            grad = view(grad_base)
+            expected_base = buffer_base.clone()
+            expected_buffer = view(expected_base)
+            slot, expected_slot = (torch.empty(grad.shape, dtype=slot_dtype) for _ in range(2))
+            muon_math.momentum_buffers_update_([grad], [expected_buffer], momentum)
+            muon_math.nesterov_into_(grad, expected_buffer, expected_slot, momentum, nesterov)
+            fused_elementwise.momentum_into_slot_(grad, view(buffer_base), slot, momentum=momentum, nesterov=nesterov)
+            case = f"momentum {layout} grad {grad_dtype} buffer {buffer_dtype} slot {slot_dtype} nesterov {nesterov}"
+            check(torch.equal(buffer_base, expected_base), f"{case}: buffer (incl. untouched rows) differs")
+            check(torch.equal(slot, expected_slot), f"{case}: slot differs")
+
+
+def check_decay_and_update(generator) -> None:
+    for target_dtype, update_dtype, decay in [*itertools.product(DTYPES, DTYPES, (0.99,)),
+                                              (torch.float32, torch.float16, 1.0)]:
+        targets = strided_pieces(target_dtype, generator)
+        for layout, target_base, view in targets:
+            update = torch.randn(view(target_base).shape, generator=generator).to(update_dtype)
+            expected_base = target_base.clone()
+            view(expected_base).mul_(decay)
+            exact_base = expected_base.clone()  # fp32 alpha, one fma: what torch's CUDA add computes
+            alpha = torch.tensor(-0.02 * 1.7, dtype=torch.float32).double()
+            view(exact_base).copy_(view(exact_base).double().add_(update.double() * alpha).float())
+            muon_math.apply_updates_([view(expected_base)], [update], lr=0.02, scale=1.7)
+            fused_elementwise.decay_and_update_(view(target_base), update, decay=decay, alpha=-0.02 * 1.7)
+            case = f"decay+update {layout} target {target_dtype} update {update_dtype} decay {decay}"
+            check(torch.equal(target_base, exact_base), f"{case}: not the one-fma result")
+            if target_dtype == torch.float32:
+                check(torch.equal(target_base, expected_base), f"{case}: not bit-exact with the torch path")
+            else:  # torch's CPU add rounds alpha to the tensor dtype: allow that much more
+                slack = (update.float() * alpha.float()).abs() * torch.finfo(target_dtype).eps
+                gap = (target_base.float() - expected_base.float()).abs()
+                ulp = torch.finfo(target_dtype).eps * target_base.float().abs()
+                check(bool((view(gap) <= view(ulp) + slack).all()), f"{case}: further from the torch path than "
+                      "one rounding plus the rounded alpha")
+
+
+def check_uncovered_fall_back(generator) -> None:
+    grad = torch.randn(6, 10, generator=generator, dtype=torch.float64)
+    buffer, expected = torch.zeros_like(grad), torch.zeros_like(grad)
+    slot, expected_slot = torch.empty(6, 10), torch.empty(6, 10)
+    muon_math.momentum_buffers_update_([grad], [expected], 0.9)
+    muon_math.nesterov_into_(grad, expected, expected_slot, 0.9, True)
+    fused_elementwise.momentum_into_slot_(grad, buffer, slot, momentum=0.9, nesterov=True)
+    check(torch.equal(buffer, expected) and torch.equal(slot, expected_slot), "fp64 fallback differs")
+    target = torch.randn(10, 6, generator=generator).mT  # column stride 6: not covered
+    update = torch.randn(6, 10, generator=generator).half()
+    expected = target.clone().mul_(0.9).add_(update, alpha=-0.1)
+    fused_elementwise.decay_and_update_(target, update, decay=0.9, alpha=-0.1)
+    check(torch.equal(target, expected), "strided-column fallback differs")
+
+
+def muon_params(generator, dtype):
+    """A plain matrix, a fused QKV split per section (2 query groups), and a 3-D expert stack."""
+    plain = torch.nn.Parameter((torch.randn(24, 16, generator=generator) * 0.1).to(dtype))
+    qkv = torch.nn.Parameter((torch.randn(2 * (8 + 4 + 4), 16, generator=generator) * 0.1).to(dtype))
+    qkv.is_qkv, qkv.qkv_split_shapes = True, [8, 4, 4]
+    experts = torch.nn.Parameter((torch.randn(2, 16, 24, generator=generator) * 0.1).to(dtype))
+    experts.muon_num_experts = 2
+    return [plain, qkv, experts]
+
+
+def run_steps(make_optimizer, params, steps: int = 3):
+    generator = torch.Generator().manual_seed(7)
+    optimizer = make_optimizer(params)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator).to(p.dtype) * 1e-2
+        optimizer.step()
+    return optimizer
+
+
+def check_muon(generator, steps: int = 3) -> None:
+    settings = [
+        dict(dtype=torch.float32, nesterov=True, weight_decay_mode="decoupled"),
+        dict(dtype=torch.float32, nesterov=False, weight_decay_mode="independent", momentum_dtype=torch.bfloat16),
+        dict(dtype=torch.float32, nesterov=True, weight_decay_mode="l2"),
+        # torch's CPU foreach multiply rounds the decay factor to bf16 (0.998 -> 0.996): compare without decay
+        dict(dtype=torch.bfloat16, nesterov=True, weight_decay_mode="decoupled", weight_decay=0.0),
+    ]
+    for setting in settings:
+        dtype = setting.pop("dtype")
+        seed = int(torch.randint(1 << 30, (1,), generator=generator))
+        initial = muon_params(torch.Generator().manual_seed(seed), dtype)
+        results = {}
+        for engine, fused in itertools.product((Muon, OwnerMuon), (True, False)):
+            params = muon_params(torch.Generator().manual_seed(seed), dtype)  # deepcopy drops megatron's tags
+            groups = [dict(params=params[:2]), dict(params=params[2:], lr=0.01)]
+
+            def make(_, engine=engine, fused=fused, groups=groups):
+                return engine(groups, lr=0.02, fused_elementwise=fused, **{"weight_decay": 0.1, **setting})
+
+            optimizer = run_steps(make, params, steps)
+            results[engine.__name__, fused] = (params, optimizer)
+        for engine in ("Muon", "OwnerMuon"):
+            (fused_params, fused_opt), (torch_params, torch_opt) = results[engine, True], results[engine, False]
+            case = f"{engine} {dtype} {setting}"
+            for i, (a, b) in enumerate(zip(fused_params, torch_params)):
+                if dtype == torch.float32:
+                    check(torch.equal(a, b), f"{case}: parameter {i} fused != torch path")
+                else:  # one rounding per step, and torch's CPU add rounds alpha to bf16
+                    gap, moved = (a - b).detach().float().norm(), (b - initial[i]).detach().float().norm()
+                    check(float(gap) <= 0.02 * float(moved), f"{case}: parameter {i} gap {gap} vs moved {moved}")
+                check(not torch.equal(a, initial[i]), f"{case}: parameter {i} did not move")
+            for i, (a, b) in enumerate(zip(fused_params, results["Muon", True][0])):
+                check(torch.equal(a, b), f"{case}: parameter {i} fused {engine} != fused Muon")
+            if engine == "Muon":
+                for a, b in zip(fused_params, torch_params):
+                    same = torch.equal(fused_opt.state[a]["momentum_buffer"], torch_opt.state[b]["momentum_buffer"])
+                    check(same, f"{case}: momentum buffers differ")
+
+
+def main() -> None:
+    assert fused_elementwise.supported(torch.device("cpu")), "run with TRITON_INTERPRET=1 and Triton installed"
+    generator = torch.Generator().manual_seed(0)
+    check_momentum(generator)
+    check_decay_and_update(generator)
+    check_uncovered_fall_back(generator)
+    check_muon(generator)
+    if FAILURES:
+        print("\n".join(FAILURES))
+        sys.exit(1)
+    print("interpreter ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The fused elementwise passes (momentum + Nesterov into the NS stack; weight decay + update) against the torch
+sequence they replace: on CPU through the Triton interpreter, and on the GPU."""
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_muon.optimizer import Muon, fused_elementwise, muon_math
+from megatron_muon.optimizer.routing import MatrixLayout, piece_views
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def gpu_test(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
+
+
+def test_settings_are_checked():
+    params = [torch.nn.Parameter(torch.randn(8, 4))]
+    with pytest.raises(ValueError, match="fused_elementwise must be one of"):
+        Muon(params, fused_elementwise="yes")
+    assert fused_elementwise.use_fused(False, torch.device("cpu")) is False
+    if not fused_elementwise.supported(torch.device("cpu")):
+        assert fused_elementwise.use_fused("auto", torch.device("cpu")) is False
+        with pytest.raises(ValueError, match="fused_elementwise=True needs"):
+            fused_elementwise.use_fused(True, torch.device("cpu"))
+
+
+def test_passes_under_triton_interpreter():
+    """Dtype mixes, strided and 4-D fused-QKV piece views, nesterov on/off, both lerp branches, decay on/off,
+    uncovered fallbacks, and Muon / OwnerMuon steps with the fused path forced on vs off (see the script)."""
+    pytest.importorskip("triton", reason="the interpreter comes with Triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    script = Path(__file__).with_name("_fused_interpret_check.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and "interpreter ok" in done.stdout, (done.stdout + done.stderr)[-3000:]
+
+
+# ---- GPU: the compiled kernels against torch's CUDA kernels ----
+
+
+def _pieces(dtype, generator, scale=1.0):
+    """A 4-D fused-QKV piece (2 experts, 4 groups) and every other row of a matrix whose width is no power of 2."""
+    qkv = (torch.randn(2 * 4 * 96, 2048, device="cuda", generator=generator) * scale).to(dtype)
+    yield qkv, lambda t: piece_views(t, MatrixLayout(num_experts=2, split_sections=(64, 16, 16)))[0]
+    rows = (torch.randn(300, 1400, device="cuda", generator=generator) * scale).to(dtype)
+    yield rows, lambda t: t[::2]
+
+
+F32, BF16, F16 = DTYPES
+# (grad, momentum buffer, NS stack slot, nesterov): the mixes training meets (the interpreter test covers all).
+MOMENTUM_MIXES = [
+    (F32, F32, BF16, True), (F32, F32, BF16, False), (F32, BF16, BF16, True), (F32, F32, F32, True),
+    (BF16, BF16, BF16, True), (BF16, F32, BF16, True), (F16, F16, F16, True), (F16, F32, F16, False),
+]
+
+
+@gpu_test
+@pytest.mark.parametrize("grad_dtype,buffer_dtype,slot_dtype,nesterov", MOMENTUM_MIXES)
+def test_momentum_into_slot_matches_torch_on_gpu(grad_dtype, buffer_dtype, slot_dtype, nesterov):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for (grad_base, view), (buffer_base, _) in zip(_pieces(grad_dtype, generator), _pieces(buffer_dtype, generator)):
+        grad, expected_base = view(grad_base), buffer_base.clone()
+        slot, expected_slot = (torch.empty(grad.shape, dtype=slot_dtype, device="cuda") for _ in range(2))
+        muon_math.momentum_buffers_update_([grad], [view(expected_base)], 0.95)
+        muon_math.nesterov_into_(grad, view(expected_base), expected_slot, 0.95, nesterov)
+        fused_elementwise.momentum_into_slot_(grad, view(buffer_base), slot, momentum=0.95, nesterov=nesterov)
+        assert torch.equal(buffer_base, expected_base)  # untouched rows included
+        assert torch.equal(slot, expected_slot)
+
+
+@gpu_test
+@pytest.mark.parametrize("target_dtype,update_dtype", list(itertools.product(DTYPES, DTYPES)))
+def test_decay_and_update_matches_torch_on_gpu(target_dtype, update_dtype):
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for target_base, view in _pieces(target_dtype, generator):
+        update = torch.randn(view(target_base).shape, device="cuda", generator=generator).to(update_dtype)
+        expected_base = target_base.clone()
+        view(expected_base).mul_(0.998)
+        muon_math.apply_updates_([view(expected_base)], [update], lr=0.02, scale=2.5)
+        fused_elementwise.decay_and_update_(view(target_base), update, decay=0.998, alpha=-0.02 * 2.5)
+        if target_dtype == torch.float32:
+            assert torch.equal(target_base, expected_base)
+        else:  # same math as torch's CUDA kernels; the spec allows one rounding of the 16-bit dtype
+            ulp = torch.finfo(target_dtype).eps * expected_base.float().abs()
+            assert bool(((target_base.float() - expected_base.float()).abs() <= ulp).all())
+
+
+@gpu_test
+@pytest.mark.parametrize("momentum_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("weight_decay_mode", ["decoupled", "independent", "l2"])
+def test_muon_fused_equals_torch_path_on_gpu(momentum_dtype, weight_decay_mode):
+    def params():
+        generator = torch.Generator(device="cuda").manual_seed(2)
+        plain = torch.nn.Parameter(torch.randn(1154, 256, device="cuda", generator=generator) * 0.02)
+        qkv = torch.nn.Parameter(torch.randn(4 * 48, 256, device="cuda", generator=generator) * 0.02)
+        qkv.is_qkv, qkv.qkv_split_shapes = True, [32, 8, 8]
+        return [plain, qkv]
+
+    results = []
+    for fused in (True, False):
+        ps = params()
+        optimizer = Muon(ps, lr=0.02, weight_decay=0.1, weight_decay_mode=weight_decay_mode,
+                         momentum_dtype=momentum_dtype, fused_elementwise=fused)
+        generator = torch.Generator(device="cuda").manual_seed(3)
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, device="cuda", generator=generator) * 1e-3
+            optimizer.step()
+        results.append((ps, [optimizer.state[p]["momentum_buffer"] for p in ps]))
+    (fused_params, fused_buffers), (torch_params, torch_buffers) = results
+    for a, b in zip(fused_params + fused_buffers, torch_params + torch_buffers):
+        assert torch.equal(a, b)
