@@ -305,7 +305,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (script smoke test)")
-    parser.add_argument("--skip", default="", help="comma-separated variant prefixes to skip")
+    parser.add_argument("--skip", default="", help="comma-separated variants to skip: ours eager, ours compiled, "
+                        "ours recompute, fla eager, fla compiled, megatron")
     parser.add_argument("--out", default="benchmarks/results/gdn.md")
     parser.add_argument("--profile", action="store_true",
                         help=f"add top-kernel tables for {' and '.join(PROFILED)} to the report")
@@ -316,7 +317,10 @@ def main() -> None:
     init_megatron(device)
     from megatron_muon.ops import selected_backend
 
-    skip = [s for s in args.skip.split(",") if s]
+    skip = [s.strip() for s in args.skip.split(",") if s.strip()]
+
+    def wanted(variant: str) -> bool:
+        return not any(variant.startswith(prefix) for prefix in skip)
     torch.manual_seed(0)
     x = torch.randn(1, args.seq_len, sizes["hidden"], device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
@@ -338,11 +342,12 @@ def main() -> None:
         shipped.out_proj.__class__ = shipped_out_proj
         meta["shipped_breaks"] = shipped_graph_breaks(shipped, x)
         del shipped
-    if not any(s.startswith("ours") for s in skip):
+    if wanted("ours eager"):
         record(run_variant("ours eager", lambda: fwd_bwd(ours, x, grad, True), device, args))
+    if wanted("ours compiled"):
         record(run_variant("ours compiled", lambda: fwd_bwd(torch.compile(ours), x, grad, True), device, args,
                            compiled=True, profiles=profiles))
-    if "fla" not in skip:
+    if wanted("fla eager") or wanted("fla compiled"):
         fla = None
 
         def make_fla(compiled):
@@ -350,9 +355,11 @@ def main() -> None:
             fla = fla or build_fla(sizes, device)
             return fwd_bwd(torch.compile(fla) if compiled else fla, x, grad, False)
 
-        record(run_variant("fla eager", lambda: make_fla(False), device, args, profiles=profiles))
-        record(run_variant("fla compiled", lambda: make_fla(True), device, args, compiled=True))
-    if not any(s.startswith("ours") for s in skip):  # the memory-saving setting, after the baselines
+        if wanted("fla eager"):
+            record(run_variant("fla eager", lambda: make_fla(False), device, args, profiles=profiles))
+        if wanted("fla compiled"):
+            record(run_variant("fla compiled", lambda: make_fla(True), device, args, compiled=True))
+    if wanted("ours recompute"):  # chunk states recomputed: the memory-saving setting, after the baselines
 
         def make_ours_recomputing():
             ours.keep_chunk_states = False
@@ -361,7 +368,7 @@ def main() -> None:
         record(run_variant("ours compiled, chunk states recomputed", make_ours_recomputing, device, args,
                            compiled=True))
         ours.keep_chunk_states = True
-    if "megatron" not in skip:
+    if wanted("megatron-core"):
         reference = None
 
         def make_megatron():
