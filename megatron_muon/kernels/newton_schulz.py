@@ -94,15 +94,16 @@ def gram_newton_schulz(
 def _normalized_padded(X: torch.Tensor, eps: float, work_dtype: torch.dtype) -> torch.Tensor:
     """X / ‖X‖_F in `work_dtype`, the long side zero-padded to a multiple of LONG_SIDE_ALIGNMENT, in one pass.
 
-    The norm is reduced in fp32 straight from the input dtype and the division writes the rounded result into the
-    (padded) work buffer, so no fp32 copy of the batch is ever materialized: on the reference set this saves
-    ~24 bytes of traffic per element over "upcast, divide, downcast, pad". Zero columns leave X·Xᵀ, every
-    iterate's other columns and the result unchanged (they stay zero), and they make rows 128-byte aligned:
-    9228-wide fp16 rows otherwise force slow unaligned GEMM paths (measured on the H200: the GDN in_proj shape ran
-    at ~230 TFLOP/s against ~550 for aligned shapes, in torch.optim.Muon too).
+    The norm is reduced in fp32 (fp64 for fp64 input) straight from the input dtype and the division writes the
+    rounded result into the (padded) work buffer, so no fp32 copy of the batch is ever materialized: on the
+    reference set this saves ~24 bytes of traffic per element over "upcast, divide, downcast, pad". Zero columns
+    leave X·Xᵀ, every iterate's other columns and the result unchanged (they stay zero), and they make rows
+    128-byte aligned: 9228-wide fp16 rows otherwise force slow unaligned GEMM paths (measured on the H200: the
+    GDN in_proj shape ran at ~230 TFLOP/s against ~550 for aligned shapes, in torch.optim.Muon too).
     """
     n = X.size(-1)
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32).clamp_min(eps)
+    norm_dtype = torch.promote_types(X.dtype, torch.float32)  # fp32, or fp64 for an fp64 iteration
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype).clamp_min(eps)
     padded = -(-n // LONG_SIDE_ALIGNMENT) * LONG_SIDE_ALIGNMENT
     shape = (*X.shape[:-1], padded)
     out = X.new_empty(shape, dtype=work_dtype) if padded == n else X.new_zeros(shape, dtype=work_dtype)

@@ -151,6 +151,7 @@ class TritonOps:
 
     @staticmethod
     def sym_mm(A, B, C=None, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
-        if A.size(-2) < MIN_TRITON_ROWS and not _interpreting():
+        # fp64 goes to cuBLAS too: the kernel accumulates in fp32, which would quietly end an fp64 iteration.
+        if A.dtype == torch.float64 or (A.size(-2) < MIN_TRITON_ROWS and not _interpreting()):
             return TorchOps.sym_mm(A, B, C, alpha, beta)
         return symmetric_matmul(A, B, C, alpha, beta)

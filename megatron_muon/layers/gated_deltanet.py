@@ -265,7 +265,8 @@ class GatedDeltaNet(MegatronModule):
         q = q.reshape(batch, seq, k_heads, s.key_head_dim)  # the op maps value head h to key head h // (Hv / Hk)
         k = k.reshape(batch, seq, k_heads, s.key_head_dim)
         v = v.reshape(batch, seq, v_heads, s.value_head_dim)
-        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())  # log decay, fp32
+        decay_dtype = torch.promote_types(alpha.dtype, torch.float32)  # fp32 (fp64 in an fp64 model)
+        g = -self.A_log.to(decay_dtype).exp() * F.softplus(alpha.to(decay_dtype) + self.dt_bias.to(decay_dtype))
         beta = beta_logits.sigmoid()
         core, _ = chunk_gated_delta_rule(
             q, k, v, g, beta, use_qk_l2norm_in_kernel=self.use_qk_l2norm, cu_seqlens=cu_seqlens,

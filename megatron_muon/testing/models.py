@@ -46,7 +46,7 @@ def tiny_transformer_config(**overrides: Any):
         params_dtype=torch.float32,
     )
     settings.update(overrides)
-    settings.setdefault("pipeline_dtype", torch.bfloat16 if settings.get("bf16") else torch.float32)
+    settings.setdefault("pipeline_dtype", torch.bfloat16 if settings.get("bf16") else settings["params_dtype"])
     return TransformerConfig(**settings)
 
 
@@ -174,6 +174,20 @@ def synthetic_batch(index: int, micro_batch_size: int = 2, seq_length: int = SEQ
     )
 
 
+def _fp64_token_losses(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy [b, s] in fp64 from the vocab-parallel logits of the last stage (other stages'
+    hidden states pass through). megatron's vocab-parallel cross entropy computes in fp32 and sums exp(logits)
+    per tp shard before the all-reduce, so its rounding would depend on tp; here all tp ranks compute the same
+    loss from the gathered logits (the gather's backward hands each rank its shard of the gradient)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if not ps.is_pipeline_last_stage():
+        return output
+    logits = gather_from_tensor_model_parallel_region(output)  # [b, s, vocab]
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+
+
 def forward_backward(model, batches: list[Batch], seq_length: int = SEQ_LENGTH, forward_only: bool = False) -> float:
     """Megatron's forward/backward schedule over `batches` (one per micro-batch); works for any pp.
 
@@ -186,11 +200,16 @@ def forward_backward(model, batches: list[Batch], seq_length: int = SEQ_LENGTH, 
     recorded: list[float] = []  # per-micro-batch losses as computed, independent of megatron's reporting scale
 
     def forward_step(data_iterator, model_chunk):
-        batch = next(data_iterator).to(next(model_chunk.parameters()).device)
-        output = model_chunk(batch.tokens, batch.position_ids, None, labels=batch.labels)
+        parameter = next(model_chunk.parameters())
+        batch = next(data_iterator).to(parameter.device)
+        if parameter.dtype == torch.float64:
+            output = _fp64_token_losses(model_chunk(batch.tokens, batch.position_ids, None), batch.labels)
+        else:
+            output = model_chunk(batch.tokens, batch.position_ids, None, labels=batch.labels)
 
         def loss_func(losses):
-            loss = (losses.float() * batch.loss_mask).sum() / batch.loss_mask.sum()
+            losses = losses.to(torch.promote_types(losses.dtype, torch.float32))
+            loss = (losses * batch.loss_mask).sum() / batch.loss_mask.sum()
             recorded.append(float(loss.detach()))
             return loss, {"loss": loss.detach()}
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 # Cross-layout bounds on the max relative parameter error after 20 steps: fp32 is the rounding bound the CPU
-# layout tests use; bf16 rounds every forward/backward to 8 bits of mantissa.
-DEFAULT_RTOL = {"fp32": 2e-3, "bf16": 3e-2}
+# layout tests use; bf16 rounds every forward/backward to 8 bits of mantissa; fp64 leaves layout rounding at
+# ~1e-16, so issue #5's 1e-6 holds as stated (measured on CPU/gloo after 20 steps: <= 2e-11).
+DEFAULT_RTOL = {"fp32": 2e-3, "bf16": 3e-2, "fp64": 1e-6}
 SEED = 1234
 # The tiny models with as many key/value heads as attention heads, so that every tp up to 4 divides them; the
 # reference run uses the same shapes, so layouts stay comparable.
@@ -126,6 +127,10 @@ def run_layout(args: argparse.Namespace, layout: tuple[int, int, int]) -> None:
 
     tp, pp, dp = layout
     context = init_distributed(tp, pp)
+    if args.precision == "fp64":  # FLA's GDN kernels have no fp64; the torch GDN ops iterate in the input dtype
+        from megatron_muon.ops.backend import set_backend
+
+        set_backend("torch")
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
     model, optimizer = build_muon_setup(args.optimizer, args.precision, args.model, lr=args.lr,
@@ -268,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--layout", required=True, nargs="+",
                             help="TP,PP,DP, e.g. 2,1,4; several layouts of the launch's world size run in turn")
     run_parser.add_argument("--model", choices=("gpt", "hybrid"), default="gpt")
-    run_parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    run_parser.add_argument("--precision", choices=("fp32", "bf16", "fp64"), default="fp32",
+                            help="fp64: float64 parameters, gradients, momentum, Newton–Schulz and loss, no "
+                                 "gradient clipping (megatron clips fp32 gradients only)")
     run_parser.add_argument("--optimizer", choices=("dist_muon", "muon"), default="dist_muon")
     run_parser.add_argument("--steps", type=int, default=20)
     run_parser.add_argument("--global-microbatches", type=int, default=8,

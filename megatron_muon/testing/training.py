@@ -33,12 +33,15 @@ def build_training_setup(
 
     config = tiny_transformer_config(bf16=bf16, **(config_overrides or {}))
     model = model_builder(config)
+    if config.params_dtype == torch.float64:  # megatron's torch-norm fallback makes its weights in the default dtype
+        model.double()
     if _on_gpu():  # as megatron's get_model does; weights were initialized on CPU, identically for every layout
         model.cuda(torch.cuda.current_device())
     if bf16:
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
+    ddp_config = DistributedDataParallelConfig(  # fp64 parameters keep fp64 gradient buffers (not fp32 ones)
+        grad_reduce_in_fp32=config.params_dtype != torch.float64, overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
     )
     model = DistributedDataParallel(config, ddp_config, model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -55,23 +58,60 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available() and not cpu_mode_enabled()
 
 
-def build_muon_setup(name: str, precision: str, model: str, lr: float = 0.01, clip_grad: float = 1.0,
+PRECISIONS = ("fp32", "bf16", "fp64")
+
+
+def build_muon_setup(name: str, precision: str, model: str, lr: float = 0.01, clip_grad: float | None = None,
                      config_overrides: dict | None = None):
     """The tiny `model` ("gpt" or "hybrid") with megatron optimizer `name` (e.g. "dist_muon", "muon") in
-    `precision` ("fp32" or "bf16") on the parallel_state already set; Muon's TP mode is "duplicated"."""
+    `precision` on the parallel_state already set; Muon's TP mode is "duplicated".
+
+    `precision`: "bf16" (megatron's mixed precision), "fp32", or "fp64": parameters, gradient buffers, momentum
+    and the Newton–Schulz iteration all in float64, so that layout-dependent rounding (~1e-16) stays far below
+    what cross-layout parity tests resolve. `clip_grad` defaults to 1.0, and to 0.0 (no clipping) in fp64:
+    megatron-core clips fp32 gradients only (`clip_grad_by_total_norm_fp32` asserts FloatTensor gradients).
+    """
     import megatron_muon
 
     if model not in ("gpt", "hybrid"):
         raise ValueError(f"model must be 'gpt' or 'hybrid', got {model!r}")
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if clip_grad is None:
+        clip_grad = 0.0 if precision == "fp64" else 1.0
+    if precision == "fp64" and clip_grad > 0.0:
+        raise ValueError(f"clip_grad={clip_grad} with precision 'fp64': megatron-core clips fp32 gradients only; "
+                         "pass clip_grad=0.0 (no clipping) for fp64 runs")
     megatron_muon.register()
-    options = dict(muon_tp_mode="duplicated", muon_fp32_matmul_prec="highest" if precision == "fp32" else "medium",
+    options = dict(muon_tp_mode="duplicated", muon_fp32_matmul_prec="medium" if precision == "bf16" else "highest",
                    clip_grad=clip_grad)
     builder = {"gpt": dict(config_overrides={}),
                "hybrid": dict(model_builder=build_tiny_hybrid, config_overrides=dict(GDN_SIZES))}[model]
+    if precision == "fp64":
+        builder["config_overrides"]["params_dtype"] = torch.float64
     builder["config_overrides"].update(config_overrides or {})
-    return build_training_setup(name, bf16=precision == "bf16", lr=lr, **builder, **options)
+    model_, optimizer = build_training_setup(name, bf16=precision == "bf16", lr=lr, **builder, **options)
+    if precision == "fp64":
+        _iterate_newton_schulz_in_fp64(optimizer)
+    return model_, optimizer
+
+
+def _iterate_newton_schulz_in_fp64(optimizer) -> None:
+    """megatron's `muon_fp32_matmul_prec` goes up to fp32 only; set the Muon engines' iteration dtype to fp64."""
+    from megatron_muon.optimizer import Muon
+
+    engines, stack = [], [optimizer]
+    while stack:
+        item = stack.pop()
+        children = getattr(item, "chained_optimizers", None)
+        if children is not None:
+            stack.extend(children)
+        elif isinstance(getattr(item, "optimizer", None), Muon):
+            engines.append(item.optimizer)
+    if not engines:
+        raise ValueError("precision 'fp64' needs a Muon optimizer (muon, dist_muon) in the megatron optimizer")
+    for engine in engines:
+        engine.compute_dtype = torch.float64
 
 
 def train_step(model, optimizer, step: int, global_microbatches: int = 4, micro_batch_size: int = 2) -> float:
@@ -113,7 +153,8 @@ def _sectioned_parameters(model) -> dict[int, list[int]]:
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
-    """Every parameter of this rank's stage gathered across tp into its unsharded fp32 form, keyed by global name.
+    """Every parameter of this rank's stage gathered across tp into its unsharded form (fp32, or fp64 for fp64
+    parameters), keyed by global name.
 
     Lets a test compare parameters of runs with different (tp, pp) layouts directly.
     """
@@ -124,7 +165,7 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
     sectioned = _sectioned_parameters(model) if tp > 1 else {}
     result = {}
     for name, param in global_parameter_names(model).items():
-        tensor = param.detach().float()
+        tensor = param.detach().to(torch.promote_types(param.dtype, torch.float32))
         if tp > 1 and getattr(param, "tensor_model_parallel", False):
             parts = [torch.empty_like(tensor) for _ in range(tp)]
             torch.distributed.all_gather(parts, tensor.contiguous(), group=group)

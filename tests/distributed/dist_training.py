@@ -28,14 +28,15 @@ def owner_engines(optimizer) -> list:
     return [inner] if isinstance(inner, OwnerMuon) else []
 
 
-def build(tp: int, pp: int, name: str, precision: str, model: str, lr: float = 0.01, clip_grad: float = 1.0):
+def build(tp: int, pp: int, name: str, precision: str, model: str, lr: float = 0.01, clip_grad: float | None = None):
     """The tiny model and optimizer `name` on a fresh (tp, pp) layout of the pool's world."""
     init_model_parallel(tp=tp, pp=pp)
     return build_muon_setup(name, precision, model, lr=lr, clip_grad=clip_grad)
 
 
 def train(rank, world_size, tp: int, pp: int, name: str, precision: str, model: str, steps: int):
-    """`steps` steps on a layout; returns losses, gathered full parameters (global names) and NS counts."""
+    """`steps` steps on a layout; returns losses, gathered full parameters (global names), NS counts and the
+    dtypes the Muon engines iterate Newton–Schulz in."""
     with one_thread():
         model_, optimizer = build(tp, pp, name, precision, model)
         losses = [train_step(model_, optimizer, step) for step in range(steps)]
@@ -47,7 +48,23 @@ def train(rank, world_size, tp: int, pp: int, name: str, precision: str, model: 
             "orthogonalized": sum(e.orthogonalized_matrices for e in engines),
             "units": sum(len(e.owners) for e in engines),
             "owners": [sorted(set(e.owners)) for e in engines],
+            "ns_dtypes": sorted({str(e.compute_dtype) for e in engines}),
         }
+
+
+def train_with_a_wrong_scale_on_the_last_rank(rank, world_size, tp: int, pp: int, name: str, precision: str,
+                                              model: str, steps: int, relative_error: float):
+    """`train`, but the last rank scales its Muon updates by (1 + relative_error): a planted bug that a parity
+    test must catch."""
+    from megatron_muon.optimizer import muon_math
+
+    correct = muon_math.update_scale
+    if rank == world_size - 1:
+        muon_math.update_scale = lambda *args, **kwargs: correct(*args, **kwargs) * (1.0 + relative_error)
+    try:
+        return train(rank, world_size, tp, pp, name, precision, model, steps)
+    finally:  # the pool's ranks outlive this call
+        muon_math.update_scale = correct
 
 
 @contextlib.contextmanager

@@ -34,8 +34,9 @@ def _parity(*args: str, ranks: int | None = None) -> subprocess.CompletedProcess
                           timeout=300)
 
 
-def _run(directory: Path, *layouts: str, ranks: int | None = None) -> subprocess.CompletedProcess:
-    result = _parity("run", "--layout", *layouts, "--model", "gpt", "--precision", "fp32", "--optimizer",
+def _run(directory: Path, *layouts: str, ranks: int | None = None, precision: str = "fp32",
+         model: str = "gpt") -> subprocess.CompletedProcess:
+    result = _parity("run", "--layout", *layouts, "--model", model, "--precision", precision, "--optimizer",
                      "dist_muon", "--steps", str(STEPS), "--global-microbatches", "4", "--out", str(directory),
                      ranks=ranks)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -133,3 +134,34 @@ def test_compare_same_layout_pairs_each_run_with_the_muon_run_of_its_layout(run_
     (tmp_path / "gpt_fp32_dist_muon_tp1pp1dp2.pt").write_bytes((run_directory / "gpt_fp32_dist_muon_tp1pp1dp2.pt")
                                                                 .read_bytes())
     assert parity.main(["compare", str(tmp_path), "--reference", "same"]) == 1  # no muon run at (1, 1, 2)
+
+
+def test_compare_holds_fp64_runs_to_1e_6(run_directory, tmp_path, capsys):
+    """fp64 runs are compared at 1e-6 by default: an error the fp32 bound (2e-3) lets through fails them."""
+    for path in run_directory.glob("gpt_fp32_dist_muon_tp[12]pp1dp1.pt"):
+        record = torch.load(path, weights_only=True)
+        record.update(precision="fp64", params={n: t.double() for n, t in record["params"].items()})
+        torch.save(record, tmp_path / path.name.replace("fp32", "fp64"))
+    sharded = tmp_path / "gpt_fp64_dist_muon_tp2pp1dp1.pt"
+    record = torch.load(sharded, weights_only=True)
+    reference = torch.load(tmp_path / "gpt_fp64_dist_muon_tp1pp1dp1.pt", weights_only=True)
+    record["params"] = {n: t.clone() for n, t in reference["params"].items()}
+    record["losses"] = list(reference["losses"])
+    name = sorted(record["params"])[0]
+    record["params"][name] += 1e-5 * record["params"][name].abs().max()
+    torch.save(record, sharded)
+    assert parity.main(["compare", str(tmp_path), "--reference", "1,1,1"]) == 1
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(sharded.name))
+    assert "FAIL" in row and "1.0e-06" in row and name in row
+    assert parity.main(["compare", str(tmp_path), "--reference", "1,1,1", "--rtol", "2e-3"]) == 0
+
+
+@pytest.mark.slow
+def test_fp64_hybrid_runs_match_across_layouts_to_1e_6(tmp_path):
+    """The runner end to end in fp64: a tp=2 launch of the hybrid ends within 1e-6 of the lone process."""
+    _run(tmp_path, "1,1,1", precision="fp64", model="hybrid")
+    _run(tmp_path, "2,1,1", ranks=2, precision="fp64", model="hybrid")
+    record = torch.load(tmp_path / "hybrid_fp64_dist_muon_tp2pp1dp1.pt", weights_only=True)
+    assert all(t.dtype == torch.float64 for t in record["params"].values())
+    result = _parity("compare", str(tmp_path), "--reference", "1,1,1")
+    assert result.returncode == 0 and "1 of 1 runs match" in result.stdout, result.stdout + result.stderr
