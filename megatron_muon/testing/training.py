@@ -96,8 +96,8 @@ def build_muon_setup(name: str, precision: str, model: str, lr: float = 0.01, cl
     return model_, optimizer
 
 
-def _iterate_newton_schulz_in_fp64(optimizer) -> None:
-    """megatron's `muon_fp32_matmul_prec` goes up to fp32 only; set the Muon engines' iteration dtype to fp64."""
+def muon_engines(optimizer) -> list:
+    """The megatron_muon Muon optimizers inside a megatron (chained) optimizer."""
     from megatron_muon.optimizer import Muon
 
     engines, stack = [], [optimizer]
@@ -108,6 +108,12 @@ def _iterate_newton_schulz_in_fp64(optimizer) -> None:
             stack.extend(children)
         elif isinstance(getattr(item, "optimizer", None), Muon):
             engines.append(item.optimizer)
+    return engines
+
+
+def _iterate_newton_schulz_in_fp64(optimizer) -> None:
+    """megatron's `muon_fp32_matmul_prec` goes up to fp32 only; set the Muon engines' iteration dtype to fp64."""
+    engines = muon_engines(optimizer)
     if not engines:
         raise ValueError("precision 'fp64' needs a Muon optimizer (muon, dist_muon) in the megatron optimizer")
     for engine in engines:

@@ -98,17 +98,9 @@ def counted_collectives(counts: dict, group):
 
 def _muon_piece_count(optimizer) -> int:
     """Matrices megatron_muon.optimizer.Muon orthogonalizes per step on this rank (its own bucket plan)."""
-    from megatron_muon.optimizer import Muon
+    from megatron_muon.testing.training import muon_engines
 
-    members = []
-    stack = [optimizer]
-    while stack:
-        item = stack.pop()
-        children = getattr(item, "chained_optimizers", None)
-        if children is not None:
-            stack.extend(children)
-        elif isinstance(getattr(item, "optimizer", None), Muon):
-            members.append(item.optimizer)
+    members = muon_engines(optimizer)
     total = 0
     for muon in members:
         plan = muon._plan_cache[1]
