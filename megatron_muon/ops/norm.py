@@ -40,10 +40,16 @@ def _gated_rms_norm_composite(x: Tensor, gate: Tensor, weight: Tensor, eps: floa
     """The same math in plain torch ops, for compiled graphs: Inductor fuses it (and its autograd backward) into
     reductions that read a strided gate in place, where the FLA kernel needs contiguous copies of the gate (in the
     GDN layer a section of the in_proj output) forward and backward."""
+    return _gated_rms_norm_torch(x, gate, weight, eps)[0]
+
+
+def _gated_rms_norm_torch(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(y in x.dtype, rstd fp32 [...]) in plain torch ops, computed in fp32 (fp64 for fp64 input)."""
     dtype = _compute_dtype(x)
     x_c = x.to(dtype)
-    normed = x_c * torch.rsqrt(x_c.square().mean(-1, keepdim=True) + eps)
-    return (normed * weight.to(dtype) * torch.nn.functional.silu(gate.to(dtype))).to(x.dtype)
+    rstd = torch.rsqrt(x_c.square().mean(-1) + eps)
+    y = x_c * rstd[..., None] * weight.to(dtype) * torch.nn.functional.silu(gate.to(dtype))
+    return y.to(x.dtype), rstd.float()
 
 
 @torch.library.custom_op("megatron_muon::l2norm_fwd", mutates_args=())
@@ -95,11 +101,8 @@ def gated_rms_norm_fwd(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> t
     """Returns (y in x.dtype, rstd fp32 [...])."""
     if backend_for(x) != "torch":
         return fla_backend.gated_rms_norm_forward(x, gate, weight, eps)
-    dtype = _compute_dtype(x)
-    x_c = x.to(dtype)
-    rstd = torch.rsqrt(x_c.square().mean(-1) + eps)
-    y = x_c * rstd[..., None] * weight.to(dtype) * torch.nn.functional.silu(gate.to(dtype))
-    return y.to(x.dtype).contiguous(), rstd.float()
+    y, rstd = _gated_rms_norm_torch(x, gate, weight, eps)
+    return y.contiguous(), rstd
 
 
 @gated_rms_norm_fwd.register_fake
