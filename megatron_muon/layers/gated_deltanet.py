@@ -38,6 +38,12 @@ from megatron_muon.ops.norm import gated_rms_norm
 IN_PROJ_SECTION_NAMES = ("query", "key", "value", "z", "beta", "alpha")
 CONV_SECTION_NAMES = ("query", "key", "value")
 GEMM_ROW_ALIGNMENT = 64  # output features per row: 128 bytes in bf16
+# Inductor (torch 2.11, `lowering.cat`) assembles the gradient of a split into at most 8 pointwise pieces as ONE
+# kernel that evaluates every piece's backward for every element; with more pieces it computes each piece's gradient
+# straight into its slice of the buffer. The forward therefore splits the in_proj output (and the conv output) into
+# at least this many pieces, cutting at head boundaries where it can: on the H200 at 16k tokens the in_proj
+# gradient went from 0.89 ms to ~0.3 ms per layer (benchmarks/results/gdn.md). Eager mode computes the same values.
+MIN_GRADIENT_PIECES = 9
 
 
 class RowAlignedColumnParallelLinear(ColumnParallelLinear):
@@ -110,6 +116,12 @@ class DepthwiseConvParameters(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(channels, 1, kernel, device=device, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.empty(channels, device=device, dtype=dtype)) if bias else None
+
+
+def _piece_sizes(width: int, wanted: int) -> list[int]:
+    """`width` cut into the fewest equal pieces, at least `wanted` of them (see MIN_GRADIENT_PIECES)."""
+    count = next(n for n in range(max(wanted, 1), width + 1) if width % n == 0) if width > 0 else 1
+    return [width // count] * count
 
 
 def _rank_slice_of_sections(full: torch.Tensor, sections: tuple[int, ...], tp_rank: int, tp_size: int):
@@ -255,13 +267,19 @@ class GatedDeltaNet(MegatronModule):
 
         projected, _ = self.in_proj(hidden_states)  # [s, b, in_proj_dim / tp (+ alignment pad)], full sequence
         projected = projected.transpose(0, 1)  # [b, s, ·]
-        sections = [2 * qk_local + v_local, v_local, v_heads, v_heads]
-        qkv, z, beta_logits, alpha, _ = torch.split(projected, [*sections, projected.shape[-1] - sum(sections)], -1)
+        batch, seq = projected.shape[0], projected.shape[1]
+        pad = projected.shape[-1] - (2 * qk_local + 2 * v_local + 2 * v_heads)
+        z_sizes = _piece_sizes(v_local, MIN_GRADIENT_PIECES - 3 - (pad > 0))
+        parts = torch.split(projected, [2 * qk_local + v_local, *z_sizes, v_heads, v_heads, pad], -1)
+        qkv, beta_logits, alpha = parts[0], parts[-3], parts[-2]
+        z = torch.stack(parts[1:-3], dim=-2).reshape(batch, seq, v_heads, s.value_head_dim)
         qkv = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, None, cu_seqlens)
-        # SiLU per section: each result is a fresh contiguous tensor, which the kernels below need (a split view of
-        # the conv output would be copied by each of them); compiled, it is one fused pass.
-        q, k, v = (F.silu(part) for part in torch.split(qkv, [qk_local, qk_local, v_local], dim=-1))
-        batch, seq = q.shape[0], q.shape[1]
+        # SiLU per piece, stacked per section: each result is a fresh contiguous tensor, which the kernels below need
+        # (a split view of the conv output would be copied by each of them); compiled, one fused pass per section.
+        wanted = -(-MIN_GRADIENT_PIECES // 3)
+        sizes = [_piece_sizes(qk_local, wanted), _piece_sizes(qk_local, wanted), _piece_sizes(v_local, wanted)]
+        parts = iter(torch.split(qkv, [size for group in sizes for size in group], dim=-1))
+        q, k, v = (torch.stack([F.silu(next(parts)) for _ in group], dim=-2) for group in sizes)
         q = q.reshape(batch, seq, k_heads, s.key_head_dim)  # the op maps value head h to key head h // (Hv / Hk)
         k = k.reshape(batch, seq, k_heads, s.key_head_dim)
         v = v.reshape(batch, seq, v_heads, s.value_head_dim)
@@ -272,7 +290,7 @@ class GatedDeltaNet(MegatronModule):
             q, k, v, g, beta, use_qk_l2norm_in_kernel=self.use_qk_l2norm, cu_seqlens=cu_seqlens,
             keep_states_for_backward=self.keep_chunk_states,
         )
-        normed = self.out_norm(core, z.reshape(batch, seq, v_heads, s.value_head_dim))
+        normed = self.out_norm(core, z)
         normed = normed.reshape(batch, seq, v_heads * s.value_head_dim).transpose(0, 1).contiguous()
         return self.out_proj(normed)
 
