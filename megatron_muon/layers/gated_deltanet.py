@@ -41,8 +41,9 @@ GEMM_ROW_ALIGNMENT = 64  # output features per row: 128 bytes in bf16
 # Inductor (torch 2.11, `lowering.cat`) assembles the gradient of a split into at most 8 pointwise pieces as ONE
 # kernel that evaluates every piece's backward for every element; with more pieces it computes each piece's gradient
 # straight into its slice of the buffer. The forward therefore splits the in_proj output (and the conv output) into
-# at least this many pieces, cutting at head boundaries where it can: on the H200 at 16k tokens the in_proj
-# gradient went from 0.89 ms to ~0.3 ms per layer (benchmarks/results/gdn.md). Eager mode computes the same values.
+# at least this many pieces (equal cuts of the z, q, k and v sections). On the H200 at 16k tokens this replaced the
+# 0.89 ms in_proj-gradient and 0.29 ms conv-gradient kernels with per-piece ones: the layer's fwd+bwd kernel time
+# went from 8.45 to 7.84 ms (benchmarks/results/gdn.md, this revision and the one before). Eager mode computes the same values.
 MIN_GRADIENT_PIECES = 9
 
 
