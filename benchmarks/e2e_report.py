@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -81,15 +82,57 @@ def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None
     md_path.write_text("\n".join(lines) + "\n")
 
 
-def write_profile(path: Path, rung, run_steps, top: int = 30) -> None:
-    """Kernel-time table of two training steps of `rung` (device time, sorted), to show where the step goes."""
+# Kernel-name patterns -> what the time is spent on (first match wins; names as the CUDA profiler reports them).
+KERNEL_CATEGORIES = (
+    ("GEMM (cuBLAS / CUTLASS)", re.compile(r"nvjet|cutlass|gemm|sm90_xmma|cublas", re.I)),
+    ("attention (cuDNN / flash)", re.compile(r"cudnn|flash|fmha|sdpa", re.I)),
+    ("GDN chunk kernels (FLA / TileLang)", re.compile(r"chunk_|kernel_kernel|prepare_wy|recompute_w_u|l2norm|"
+                                                     r"solve_tril|merge_16x16|chunk_local_cumsum", re.I)),
+    ("causal conv1d", re.compile(r"causal_conv1d", re.I)),
+    ("Inductor-generated (fused pointwise / reductions)", re.compile(r"^triton_(poi|per|red|tem)_", re.I)),
+    ("Muon Newton–Schulz (symmetric products)", re.compile(r"_sym_mm", re.I)),
+    ("optimizer / eager elementwise (foreach, copies, adds)", re.compile(
+        r"multi_tensor|foreach|elementwise|vectorized|copy|fill|reduce_kernel|adam|muon", re.I)),
+)
+
+
+def kernel_category(name: str) -> str:
+    for label, pattern in KERNEL_CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def category_table(kernels: list[tuple[str, float]], steps: int) -> list[str]:
+    """Markdown rows: device ms per step and share for each category of (kernel name, total µs)."""
+    totals: dict[str, float] = {}
+    for name, micros in kernels:
+        category = kernel_category(name)
+        totals[category] = totals.get(category, 0.0) + micros
+    grand = sum(totals.values()) or 1.0
+    lines = ["| kernels | ms/step | share |", "|---|---:|---:|"]
+    for category, micros in sorted(totals.items(), key=lambda item: -item[1]):
+        lines.append(f"| {category} | {micros / steps / 1e3:.1f} | {micros / grand:.1%} |")
+    lines.append(f"| all kernels | {grand / steps / 1e3:.1f} | 100% |")
+    return lines
+
+
+def write_profile(path: Path, rung, run_steps, top: int = 40, steps: int = 2) -> None:
+    """Kernel time of `steps` training steps of `rung`: per category, then the top operators and kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         run_steps()
-    sort_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort_key, row_limit=top, max_name_column_width=90)
+    averages = prof.key_averages()
+    sort_key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    table = averages.table(sort_by=sort_key, row_limit=top, max_name_column_width=90)
+    kernels = [(event.key, event.self_device_time_total) for event in averages
+               if on_gpu and event.device_type == DeviceType.CUDA]
+    summary = category_table(kernels, steps) if kernels else ["(no GPU kernels: CPU run)"]
     # Operator rows (aten::mm, our custom ops) and the kernels they launch are both listed; the table's footer
     # ("Self CUDA time total") counts each kernel once.
-    path.write_text(f"# Kernel profile: rung {rung.key} ({rung.label}), two steps\n\n```\n{table}\n```\n")
+    path.write_text(f"# Kernel profile: rung {rung.key} ({rung.label}), {steps} steps\n\n"
+                    + "\n".join(summary) + f"\n\n```\n{table}\n```\n")

@@ -46,3 +46,17 @@ def test_cpu_ladder_compiled_equals_eager_over_20_steps(tmp_path):
         assert "FLA is not installed" in rows["1"]["error"]
     text = out.read_text()
     assert "our spec + fused AdamW, eager" in text and "| 1 |" in text
+
+
+def test_profile_categories_sum_to_all_kernels():
+    from e2e_report import category_table, kernel_category
+
+    assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "GEMM (cuBLAS / CUTLASS)"
+    assert kernel_category("chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64").startswith("GDN chunk")
+    assert kernel_category("triton_poi_fused_cat_silu_0").startswith("Inductor")
+    assert kernel_category("_sym_mm_kernel").startswith("Muon")
+    assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop").startswith("attention")
+    assert kernel_category("some_unknown_kernel") == "other"
+    rows = category_table([("nvjet_a", 3000.0), ("triton_poi_b", 1000.0), ("x", 1000.0)], steps=2)
+    assert rows[2] == "| GEMM (cuBLAS / CUTLASS) | 1.5 | 60.0% |"
+    assert rows[-1] == "| all kernels | 2.5 | 100% |"
