@@ -119,9 +119,12 @@ class DepthwiseConvParameters(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(channels, device=device, dtype=dtype)) if bias else None
 
 
-def _piece_sizes(width: int, wanted: int) -> list[int]:
-    """`width` cut into the fewest equal pieces, at least `wanted` of them (see MIN_GRADIENT_PIECES)."""
-    count = next(n for n in range(max(wanted, 1), width + 1) if width % n == 0) if width > 0 else 1
+def _piece_sizes(width: int, wanted: int, max_pieces: int = 64) -> list[int]:
+    """`width` cut into the fewest equal pieces, at least `wanted` of them (see MIN_GRADIENT_PIECES); one piece
+    when no such cut has at most `max_pieces` pieces (a width with no small divisor: splitting it finer would only
+    slow the compile down)."""
+    counts = (n for n in range(max(wanted, 1), min(width, max_pieces) + 1) if width % n == 0)
+    count = next(counts, 1)
     return [width // count] * count
 
 

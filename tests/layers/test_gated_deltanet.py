@@ -167,3 +167,15 @@ def _inference_rejected(rank, world_size):
 def test_inference_is_rejected_with_a_message(rank_pool_1):
     message = rank_pool_1.run(_inference_rejected)[0]
     assert message is not None and "train-only" in message
+
+
+def test_gradient_piece_sizes():
+    from megatron_muon.layers.gated_deltanet import _piece_sizes
+
+    assert _piece_sizes(3072, 5) == [512] * 6  # the reference z section: 6 cuts of 512
+    assert _piece_sizes(1536, 3) == [512] * 3
+    assert _piece_sizes(40, 7) == [5] * 8  # the smallest divisor >= 7
+    assert _piece_sizes(1031, 5) == [1031]  # prime: no cut into <= 64 pieces, so one piece
+    assert _piece_sizes(8, 1) == [8]
+    for width, wanted in [(3072, 5), (1536, 3), (96, 9), (7, 9)]:
+        assert sum(_piece_sizes(width, wanted)) == width
