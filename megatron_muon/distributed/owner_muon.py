@@ -357,8 +357,8 @@ class OwnerMuon(Muon):
             mine = {u: updates[u] for u in round_units if u in updates}
             delivery.launch(round_units, self._orthogonalize_owned(mine, group_of_unit, param_dtypes) if mine else {})
 
-        for gi, group in enumerate(self.param_groups):  # local work while the last rounds travel
-            members = [i for i, g in enumerate(group_of) if g == gi and not fused]  # fused: decay in the update
+        for gi, group in enumerate(self.param_groups if not fused else ()):  # fused: decay is in the update pass
+            members = [i for i, g in enumerate(group_of) if g == gi]  # local work while the last rounds travel
             muon_math.apply_weight_decay_([params[i] for i in members], lr=group["lr"],
                                           weight_decay=group["weight_decay"], mode=group["weight_decay_mode"])
         local = delivery.finish()

@@ -43,7 +43,8 @@ GEMM_ROW_ALIGNMENT = 64  # output features per row: 128 bytes in bf16
 # straight into its slice of the buffer. The forward therefore splits the in_proj output (and the conv output) into
 # at least this many pieces (equal cuts of the z, q, k and v sections). On the H200 at 16k tokens this replaced the
 # 0.89 ms in_proj-gradient and 0.29 ms conv-gradient kernels with per-piece ones: the layer's fwd+bwd kernel time
-# went from 8.45 to 7.84 ms (benchmarks/results/gdn.md, this revision and the one before). Eager mode computes the same values.
+# went from 8.45 to 7.84 ms (benchmarks/results/gdn.md, this revision and the one before). Eager mode computes the
+# same values.
 MIN_GRADIENT_PIECES = 9
 
 
@@ -273,7 +274,8 @@ class GatedDeltaNet(MegatronModule):
         projected = projected.transpose(0, 1)  # [b, s, ·]
         batch, seq = projected.shape[0], projected.shape[1]
         pad = projected.shape[-1] - (2 * qk_local + 2 * v_local + 2 * v_heads)
-        z_sizes = _piece_sizes(v_local, MIN_GRADIENT_PIECES - 3 - (pad > 0))
+        other_pieces = 3 + (pad > 0)  # qkv, beta, alpha (and the pad) are one piece each
+        z_sizes = _piece_sizes(v_local, MIN_GRADIENT_PIECES - other_pieces)
         parts = torch.split(projected, [2 * qk_local + v_local, *z_sizes, v_heads, v_heads, pad], -1)
         qkv, beta_logits, alpha = parts[0], parts[-3], parts[-2]
         z = torch.stack(parts[1:-3], dim=-2).reshape(batch, seq, v_heads, s.value_head_dim)
