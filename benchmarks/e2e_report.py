@@ -117,7 +117,19 @@ def category_table(kernels: list[tuple[str, float]], steps: int) -> list[str]:
     return lines
 
 
-def write_profile(path: Path, rung, run_steps, top: int = 40, steps: int = 2) -> None:
+def top_kernels_per_category(kernels: list[tuple[str, float]], steps: int, per_category: int = 8) -> list[str]:
+    """Markdown rows: the largest kernels of each category, so that a category's total can be traced to its parts."""
+    lines = ["| category | kernel | ms/step |", "|---|---|---:|"]
+    by_category: dict[str, list[tuple[str, float]]] = {}
+    for name, micros in kernels:
+        by_category.setdefault(kernel_category(name), []).append((name, micros))
+    for category, members in sorted(by_category.items(), key=lambda item: -sum(m for _, m in item[1])):
+        for name, micros in sorted(members, key=lambda member: -member[1])[:per_category]:
+            lines.append(f"| {category} | `{name[:110]}` | {micros / steps / 1e3:.2f} |")
+    return lines
+
+
+def write_profile(path: Path, rung, run_steps, top: int = 80, steps: int = 2) -> None:
     """Kernel time of `steps` training steps of `rung`: per category, then the top operators and kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -131,7 +143,8 @@ def write_profile(path: Path, rung, run_steps, top: int = 40, steps: int = 2) ->
     table = averages.table(sort_by=sort_key, row_limit=top, max_name_column_width=90)
     kernels = [(event.key, event.self_device_time_total) for event in averages
                if on_gpu and event.device_type == DeviceType.CUDA]
-    summary = category_table(kernels, steps) if kernels else ["(no GPU kernels: CPU run)"]
+    summary = category_table(kernels, steps) + ["", *top_kernels_per_category(kernels, steps)] if kernels \
+        else ["(no GPU kernels: CPU run)"]
     # Operator rows (aten::mm, our custom ops) and the kernels they launch are both listed; the table's footer
     # ("Self CUDA time total") counts each kernel once.
     path.write_text(f"# Kernel profile: rung {rung.key} ({rung.label}), {steps} steps\n\n"

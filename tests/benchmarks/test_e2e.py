@@ -60,3 +60,13 @@ def test_profile_categories_sum_to_all_kernels():
     rows = category_table([("nvjet_a", 3000.0), ("triton_poi_b", 1000.0), ("x", 1000.0)], steps=2)
     assert rows[2] == "| GEMM (cuBLAS / CUTLASS) | 1.5 | 60.0% |"
     assert rows[-1] == "| all kernels | 2.5 | 100% |"
+
+
+def test_top_kernels_listed_per_category_largest_first():
+    from e2e_report import top_kernels_per_category
+
+    kernels = [("nvjet_small", 1000.0), ("nvjet_big", 3000.0), ("triton_poi_b", 2000.0), ("x", 500.0)]
+    rows = top_kernels_per_category(kernels, steps=2, per_category=1)
+    assert rows[2:] == ["| GEMM (cuBLAS / CUTLASS) | `nvjet_big` | 1.50 |",
+                        "| Inductor-generated (fused pointwise / reductions) | `triton_poi_b` | 1.00 |",
+                        "| other | `x` | 0.25 |"]
