@@ -129,6 +129,32 @@ def top_kernels_per_category(kernels: list[tuple[str, float]], steps: int, per_c
     return lines
 
 
+def idle_gaps(intervals: list[tuple[float, float, str]], steps: int, largest: int = 10) -> list[str]:
+    """Markdown lines: how long the GPU sits idle between kernels (start, end in µs, name), per step, and the
+    largest gaps with the kernels on either side, so that idle time can be traced to the code that causes it."""
+    if not intervals:
+        return []
+    ordered = sorted(intervals)
+    gaps, busy, (_, reach, last_name) = [], 0.0, ordered[0]
+    start_of_busy = ordered[0][0]
+    for begin, end, name in ordered[1:]:
+        if begin > reach:
+            gaps.append((begin - reach, last_name, name))
+            busy += reach - start_of_busy
+            start_of_busy = begin
+        if end >= reach:
+            reach, last_name = end, name
+    busy += reach - start_of_busy
+    span = reach - ordered[0][0]
+    idle = span - busy
+    lines = [f"GPU busy {busy / steps / 1e3:.1f} ms/step, idle between kernels {idle / steps / 1e3:.1f} ms/step "
+             f"({len(gaps)} gaps over {steps} steps).", "",
+             "| gap ms | after kernel | before kernel |", "|---:|---|---|"]
+    for length, before, after in sorted(gaps, key=lambda gap: -gap[0])[:largest]:
+        lines.append(f"| {length / 1e3:.2f} | `{before[:70]}` | `{after[:70]}` |")
+    return lines
+
+
 def write_profile(path: Path, rung, run_steps, top: int = 80, steps: int = 2) -> None:
     """Kernel time of `steps` training steps of `rung`: per category, then the top operators and kernels."""
     from torch.autograd import DeviceType
@@ -141,10 +167,13 @@ def write_profile(path: Path, rung, run_steps, top: int = 80, steps: int = 2) ->
     averages = prof.key_averages()
     sort_key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     table = averages.table(sort_by=sort_key, row_limit=top, max_name_column_width=90)
+    # GPU-side user annotations (e.g. `Optimizer.step#AdamW.step`) span kernels already counted: left out.
     kernels = [(event.key, event.self_device_time_total) for event in averages
-               if on_gpu and event.device_type == DeviceType.CUDA]
-    summary = category_table(kernels, steps) + ["", *top_kernels_per_category(kernels, steps)] if kernels \
-        else ["(no GPU kernels: CPU run)"]
+               if on_gpu and event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
+    intervals = [(event.time_range.start, event.time_range.end, event.name) for event in prof.events()
+                 if on_gpu and event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
+    summary = [*category_table(kernels, steps), "", *idle_gaps(intervals, steps), "",
+               *top_kernels_per_category(kernels, steps)] if kernels else ["(no GPU kernels: CPU run)"]
     # Operator rows (aten::mm, our custom ops) and the kernels they launch are both listed; the table's footer
     # ("Self CUDA time total") counts each kernel once.
     path.write_text(f"# Kernel profile: rung {rung.key} ({rung.label}), {steps} steps\n\n"

@@ -70,3 +70,15 @@ def test_top_kernels_listed_per_category_largest_first():
     assert rows[2:] == ["| GEMM (cuBLAS / CUTLASS) | `nvjet_big` | 1.50 |",
                         "| Inductor-generated (fused pointwise / reductions) | `triton_poi_b` | 1.00 |",
                         "| other | `x` | 0.25 |"]
+
+
+def test_idle_gaps_merge_overlapping_kernels_and_rank_gaps():
+    from e2e_report import idle_gaps
+
+    # a [0, 10) overlaps b [5, 20); gap 20 -> 50 (30 µs) before c; gap 60 -> 70 (10 µs) before d
+    intervals = [(50.0, 60.0, "c"), (0.0, 10.0, "a"), (5.0, 20.0, "b"), (70.0, 1070.0, "d")]
+    lines = idle_gaps(intervals, steps=1, largest=2)
+    assert lines[0].startswith("GPU busy 1.0 ms/step, idle between kernels 0.0 ms/step (2 gaps")
+    assert lines[4] == "| 0.03 | `b` | `c` |"
+    assert lines[5] == "| 0.01 | `c` | `d` |"
+    assert idle_gaps([], steps=1) == []
