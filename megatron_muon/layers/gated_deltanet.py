@@ -31,6 +31,7 @@ from megatron.core.transformer.utils import (
 )
 
 from megatron_muon.layers.gdn_config import GatedDeltaNetShape, gdn_shape_from_config
+from megatron_muon.layers.gradient_pieces import MIN_GRADIENT_PIECES, piece_sizes
 from megatron_muon.ops.conv import causal_conv1d
 from megatron_muon.ops.gdn import chunk_gated_delta_rule
 from megatron_muon.ops.norm import gated_rms_norm
@@ -38,14 +39,6 @@ from megatron_muon.ops.norm import gated_rms_norm
 IN_PROJ_SECTION_NAMES = ("query", "key", "value", "z", "beta", "alpha")
 CONV_SECTION_NAMES = ("query", "key", "value")
 GEMM_ROW_ALIGNMENT = 64  # output features per row: 128 bytes in bf16
-# Inductor (torch 2.11, `lowering.cat`) assembles the gradient of a split into at most 8 pointwise pieces as ONE
-# kernel that evaluates every piece's backward for every element; with more pieces it computes each piece's gradient
-# straight into its slice of the buffer. The forward therefore splits the in_proj output (and the conv output) into
-# at least this many pieces (equal cuts of the z, q, k and v sections). On the H200 at 16k tokens this replaced the
-# 0.89 ms in_proj-gradient and 0.29 ms conv-gradient kernels with per-piece ones: the layer's fwd+bwd kernel time
-# went from 8.45 to 7.84 ms (benchmarks/results/gdn.md, this revision and the one before). Eager mode computes the
-# same values.
-MIN_GRADIENT_PIECES = 9
 
 
 class RowAlignedColumnParallelLinear(ColumnParallelLinear):
@@ -118,15 +111,6 @@ class DepthwiseConvParameters(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(channels, 1, kernel, device=device, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.empty(channels, device=device, dtype=dtype)) if bias else None
-
-
-def _piece_sizes(width: int, wanted: int, max_pieces: int = 64) -> list[int]:
-    """`width` cut into the fewest equal pieces, at least `wanted` of them (see MIN_GRADIENT_PIECES); one piece
-    when no such cut has at most `max_pieces` pieces (a width with no small divisor: splitting it finer would only
-    slow the compile down)."""
-    counts = (n for n in range(max(wanted, 1), min(width, max_pieces) + 1) if width % n == 0)
-    count = next(counts, 1)
-    return [width // count] * count
 
 
 def _rank_slice_of_sections(full: torch.Tensor, sections: tuple[int, ...], tp_rank: int, tp_size: int):
@@ -275,7 +259,7 @@ class GatedDeltaNet(MegatronModule):
         batch, seq = projected.shape[0], projected.shape[1]
         pad = projected.shape[-1] - (2 * qk_local + 2 * v_local + 2 * v_heads)
         other_pieces = 3 + (pad > 0)  # qkv, beta, alpha (and the pad) are one piece each
-        z_sizes = _piece_sizes(v_local, MIN_GRADIENT_PIECES - other_pieces)
+        z_sizes = piece_sizes(v_local, MIN_GRADIENT_PIECES - other_pieces)
         parts = torch.split(projected, [2 * qk_local + v_local, *z_sizes, v_heads, v_heads, pad], -1)
         qkv, beta_logits, alpha = parts[0], parts[-3], parts[-2]
         z = torch.stack(parts[1:-3], dim=-2).reshape(batch, seq, v_heads, s.value_head_dim)
@@ -283,7 +267,7 @@ class GatedDeltaNet(MegatronModule):
         # SiLU per piece, stacked per section: each result is a fresh contiguous tensor, which the kernels below need
         # (a split view of the conv output would be copied by each of them); compiled, one fused pass per section.
         wanted = -(-MIN_GRADIENT_PIECES // 3)
-        sizes = [_piece_sizes(qk_local, wanted), _piece_sizes(qk_local, wanted), _piece_sizes(v_local, wanted)]
+        sizes = [piece_sizes(qk_local, wanted), piece_sizes(qk_local, wanted), piece_sizes(v_local, wanted)]
         parts = iter(torch.split(qkv, [size for group in sizes for size in group], dim=-1))
         q, k, v = (torch.stack([F.silu(next(parts)) for _ in group], dim=-2) for group in sizes)
         q = q.reshape(batch, seq, k_heads, s.key_head_dim)  # the op maps value head h to key head h // (Hv / Hk)

@@ -21,7 +21,12 @@ from megatron_muon.specs.hybrid import (
     pattern_from_linear_attention_freq,
 )
 from megatron_muon.specs.hybrid_stack import LocalNormHybridStack, hybrid_stack_spec, megatron_hybrid_pattern
-from megatron_muon.specs.layer_specs import attention_mixer_spec, gdn_mixer_spec, hybrid_layer_spec
+from megatron_muon.specs.layer_specs import (
+    attention_mixer_spec,
+    gdn_mixer_spec,
+    hybrid_layer_spec,
+    with_piecewise_swiglu,
+)
 from megatron_muon.specs.model import build_hybrid_model
 
 gdn_hybrid_local = hybrid_pattern_layer_spec(DEFAULT_PATTERN, backend="local")
@@ -48,4 +53,5 @@ __all__ = [
     "layer_symbols",
     "megatron_hybrid_pattern",
     "pattern_from_linear_attention_freq",
+    "with_piecewise_swiglu",
 ]

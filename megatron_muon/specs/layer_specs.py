@@ -1,13 +1,14 @@
 """ModuleSpecs for one hybrid decoder layer (mixer + MLP), for the local and Transformer Engine backends.
 
 A layer is megatron's `TransformerLayer`: pre-norm, a token mixer (GDN or softmax attention), pre-norm, SwiGLU/GeLU
-MLP. The TE backend fuses each pre-norm into the following column-parallel linear (TELayerNormColumnParallelLinear);
-the local backend keeps them separate and maps their checkpoint keys onto the TE names, so checkpoints move between
-backends.
+MLP (megatron's MLP, SwiGLU computed in pieces: `layers.mlp.PiecewiseSwiGLUMLP`). The TE backend fuses each pre-norm
+into the following column-parallel linear (TELayerNormColumnParallelLinear); the local backend keeps them separate
+and maps their checkpoint keys onto the TE names, so checkpoints move between backends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 from megatron.core.extensions.transformer_engine import (
@@ -28,6 +29,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron_muon.layers.attention import SDPADotProductAttention, TEFusedDotProductAttention
 from megatron_muon.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron_muon.layers.linear import CompilableRowParallelLinear
+from megatron_muon.layers.mlp import PiecewiseSwiGLUMLP
 
 BACKENDS = ("local", "te")
 GDN_SYMBOL = "G"
@@ -42,10 +44,21 @@ def check_backend(backend: str) -> str:
 
 
 def mlp_builder(backend: str):
-    """Megatron's dense MLP with the backend's linears (fc1 carries the fused pre-norm under TE)."""
+    """Megatron's dense MLP with the backend's linears (fc1 carries the fused pre-norm under TE); a SwiGLU config
+    computes its activation in pieces (PiecewiseSwiGLUMLP), any other activation runs megatron's MLP as is."""
     fc1 = TELayerNormColumnParallelLinear if check_backend(backend) == "te" else ColumnParallelLinear
     fc2 = TERowParallelLinear if backend == "te" else CompilableRowParallelLinear
-    return partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
+    return partial(PiecewiseSwiGLUMLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
+
+
+def with_piecewise_swiglu(layer_spec: ModuleSpec) -> ModuleSpec:
+    """A megatron GPT layer spec (e.g. `get_gpt_layer_local_spec()`) whose dense MLP is PiecewiseSwiGLUMLP, same
+    submodules; specs with another MLP (MoE, TE's op-fused MLP) come back unchanged."""
+    mlp = getattr(layer_spec.submodules, "mlp", None)
+    if not (isinstance(mlp, partial) and mlp.func == MLP.as_mlp_submodule):
+        return layer_spec
+    swapped = partial(PiecewiseSwiGLUMLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=swapped))
 
 
 def gdn_mixer_spec(backend: str) -> ModuleSpec:

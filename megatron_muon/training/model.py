@@ -85,7 +85,9 @@ def build_model(recipe: Recipe, config):
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        layer_spec = (
+        from megatron_muon.specs import with_piecewise_swiglu
+
+        layer_spec = with_piecewise_swiglu(
             get_gpt_layer_with_transformer_engine_spec(normalization=model.normalization)
             if backend == "te"
             else get_gpt_layer_local_spec(normalization=model.normalization)

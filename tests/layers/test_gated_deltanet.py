@@ -170,7 +170,7 @@ def test_inference_is_rejected_with_a_message(rank_pool_1):
 
 
 def test_gradient_piece_sizes():
-    from megatron_muon.layers.gated_deltanet import _piece_sizes
+    from megatron_muon.layers.gradient_pieces import piece_sizes as _piece_sizes
 
     assert _piece_sizes(3072, 5) == [512] * 6  # the reference z section: 6 cuts of 512
     assert _piece_sizes(1536, 3) == [512] * 3
