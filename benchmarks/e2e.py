@@ -42,6 +42,7 @@ def _free_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()
 
 
 def rung_recipe(recipe, rung: Rung):
@@ -86,27 +87,39 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
 
 
 def train_steps(model, optimizer, batches, recipe, steps: int, first_step: int = 0):
-    """Yields (fwd+bwd seconds, optimizer seconds, loss) per step."""
+    """Yields (fwd+bwd seconds, optimizer seconds, loss) per step; the two add up to the step's wall time.
+
+    Like megatron's training loop, nothing synchronizes between the backward and the optimizer step, so the CPU
+    queues the step while the GPU finishes the backward. On a GPU the split between the two comes from CUDA events
+    recorded on the stream; on CPU from the wall clock."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_muon.training.loop import _forward_step_func, _global_mean_loss
 
     forward_backward = get_forward_backward_func()
+    on_gpu = torch.cuda.is_available()
     for step in range(first_step, first_step + steps):
         _sync()
         t0 = time.perf_counter()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if on_gpu else []
+        if on_gpu:
+            events[0].record()
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(forward_step_func=_forward_step_func, data_iterator=batches.for_step(step),
                                   model=[model], num_microbatches=batches.num_microbatches,
                                   seq_length=recipe.model.seq_length,
                                   micro_batch_size=recipe.training.micro_batch_size, forward_only=False)
-        _sync()
+        if on_gpu:
+            events[1].record()
         t1 = time.perf_counter()
         optimizer.step()
         _sync()
-        t2 = time.perf_counter()
-        yield t1 - t0, t2 - t1, _global_mean_loss(losses)
+        step_s = time.perf_counter() - t0
+        # The GPU is idle at t0, so it reaches the first event at once: event to event is the forward+backward
+        # time, the rest of the step's wall time is the optimizer's.
+        fwd_bwd_s = min(step_s, events[0].elapsed_time(events[1]) / 1e3) if on_gpu else t1 - t0
+        yield fwd_bwd_s, step_s - fwd_bwd_s, _global_mean_loss(losses)
 
 
 def compile_stats() -> dict:
@@ -145,6 +158,8 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
             optimizer_ms=statistics.median(o for _, o, _ in timed) * 1e3, tokens_per_s=tokens_per_step / step_s,
             losses=[loss for _, _, loss in records], first_steps_s=sum(f + o for f, o, _ in records[:args.warmup]),
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+            # cudaMalloc retries free cached blocks and synchronize the device: a sign of allocator pressure.
+            allocator_retries=torch.cuda.memory_stats().get("num_alloc_retries") if on_gpu else None,
             **mfu_of(tokens_per_step / step_s),
         )
         row["optimizer_share"] = row["optimizer_ms"] / row["step_ms"]
