@@ -6,6 +6,7 @@ iteration 2, and megatron-core's emerging_optimizers `newton_schulz` (per matrix
 once with fp32 GEMMs, once in its bf16 mode). Inputs are pre-stacked per shape (stacking is the optimizer's job).
 
     python benchmarks/orthogonalize.py --out benchmarks/results/orthogonalize.md [--auto-sweep FILE] [--kernels]
+        [--methods "ours auto" "ours auto, torch input pass" ...]
 
 Effective TFLOP/s = FLOPs of standard NS with full GEMMs (the work torch.optim.Muon does) / time, so it compares
 methods on equal terms; "achieved" counts what the method executes (symmetric products at half).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -89,12 +91,26 @@ def method_table():
         lambda G: orthogonalize(G, method="gram", backend="torch"),
         "gram_torch",
     )
+    table["ours auto, torch input pass"] = ("stack", lambda G: _with_torch_input_pass(orthogonalize, G), "auto")
     table["ours gram, restart (2,)"] = ("stack", lambda G: orthogonalize(G, method="gram", restarts=(2,)), "gram2")
     for precision, label in (("highest", "fp32 GEMMs"), ("medium", "bf16 mode")):
         fn = emerging_ns(precision)
         if fn is not None:
             table[f"emerging_optimizers NS ({label})"] = ("matrix32", fn, "emerging")
     return table
+
+
+def _with_torch_input_pass(fn, G):
+    """`fn(G)` with the NS input pass (normalize, cast, pad) on torch instead of the Triton kernel."""
+    from megatron_muon.kernels.ops import TorchOps
+    from megatron_muon.kernels.symmetric import TritonOps
+
+    triton_pass = TritonOps.scaled_copy
+    TritonOps.scaled_copy = staticmethod(TorchOps.scaled_copy)
+    try:
+        return fn(G)
+    finally:
+        TritonOps.scaled_copy = triton_pass
 
 
 def executed_flops(method: str, m: int, n: int, count: int) -> int:
@@ -123,6 +139,11 @@ def run_reference_set(args) -> tuple[list[str], dict]:
     }
     stacks32 = {name: s.float() for name, s in stacks.items()}
     table = method_table()
+    if args.methods:
+        unknown = set(args.methods) - set(table)
+        if unknown:
+            raise SystemExit(f"unknown --methods {sorted(unknown)}; valid: {list(table)}")
+        table = {k: v for k, v in table.items() if k == "torch.optim.Muon NS" or k in args.methods}
     rows, totals = [], {}
     for label, (kind, fn, method) in table.items():
         per_shape, all_fns = {}, []
@@ -202,6 +223,28 @@ def kernel_lines(args) -> list[str]:
         tflops = 2 * b * m * m * inner / t_triton / 1e9
         lines.append(f"| {label} | {b}×{m}×{inner} | {t_torch:.3f} | {t_triton:.3f} | {tflops:.0f} |")
         print(lines[-1], flush=True)
+    return lines + ["", "NS input pass (X / ‖X‖_F, cast to fp16, long side padded to 64) alone:", "",
+                    *input_pass_lines(args)]
+
+
+def input_pass_lines(args) -> list[str]:
+    """torch's division into the padded buffer against the Triton pass, for tall (transposed) and wide stacks."""
+    from megatron_muon.kernels.ops import TorchOps
+    from megatron_muon.kernels.scaled_copy import scaled_copy
+
+    lines = ["| source | torch ms | Triton ms | Triton GB/s |", "|---|---:|---:|---:|"]
+    for (rows, cols), count, dtype in (((11264, 2048), 24, torch.float32), ((9228, 2048), 18, torch.bfloat16),
+                                       ((2048, 5632), 24, torch.bfloat16)):
+        G = torch.randn(count, rows, cols, device="cuda", dtype=dtype)
+        X = G.mT if rows > cols else G
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+        out = torch.empty(*X.shape[:-1], -(-X.size(-1) // 64) * 64, device="cuda", dtype=torch.float16)
+        t_torch = cuda_ms(lambda: TorchOps.scaled_copy(X, norm, out), args.warmup, args.reps)
+        t_triton = cuda_ms(lambda: scaled_copy(X, norm, out), args.warmup, args.reps)
+        moved = X.numel() * X.element_size() + out.numel() * out.element_size()
+        label = f"{count}×{rows}×{cols} {str(dtype).removeprefix('torch.')}" + (" (transposed)" if X is not G else "")
+        lines.append(f"| {label} | {t_torch:.3f} | {t_triton:.3f} | {moved / t_triton / 1e6:.0f} |")
+        print(lines[-1], flush=True)
     return lines
 
 
@@ -221,13 +264,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="markdown result for the reference set")
     parser.add_argument("--auto-sweep", type=Path, help="also write the standard-vs-Gram aspect sweep here")
-    parser.add_argument("--kernels", action="store_true", help="append the Triton-vs-cuBLAS symmetric product table")
+    parser.add_argument("--kernels", action="store_true", help="append the Triton-vs-torch kernel tables")
+    parser.add_argument("--methods", nargs="+",
+                        help="method labels to time, one argument each (torch.optim.Muon NS always runs); default all")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/orthogonalize.py needs a CUDA GPU")
-    command = "python " + " ".join(sys.argv)
+    command = "python " + shlex.join(sys.argv)
     head = [line.replace("{reps}", str(args.reps)) for line in header(command)]
     if args.auto_sweep:
         sweep = run_auto_sweep(args)

@@ -91,7 +91,7 @@ def gram_newton_schulz(
     return ops.mm(Q, X)
 
 
-def _normalized_padded(X: torch.Tensor, eps: float, work_dtype: torch.dtype) -> torch.Tensor:
+def _normalized_padded(X: torch.Tensor, eps: float, work_dtype: torch.dtype, ops) -> torch.Tensor:
     """X / ‖X‖_F in `work_dtype`, the long side zero-padded to a multiple of LONG_SIDE_ALIGNMENT, in one pass.
 
     The norm is reduced in fp32 (fp64 for fp64 input) straight from the input dtype and the division writes the
@@ -99,16 +99,15 @@ def _normalized_padded(X: torch.Tensor, eps: float, work_dtype: torch.dtype) -> 
     reference set this saves ~24 bytes of traffic per element over "upcast, divide, downcast, pad". Zero columns
     leave X·Xᵀ, every iterate's other columns and the result unchanged (they stay zero), and they make rows
     128-byte aligned: 9228-wide fp16 rows otherwise force slow unaligned GEMM paths (measured on the H200: the
-    GDN in_proj shape ran at ~230 TFLOP/s against ~550 for aligned shapes, in torch.optim.Muon too).
+    GDN in_proj shape ran at ~230 TFLOP/s against ~550 for aligned shapes, in torch.optim.Muon too). On the GPU the
+    division and padding are one Triton pass (`kernels/scaled_copy.py`).
     """
     n = X.size(-1)
     norm_dtype = torch.promote_types(X.dtype, torch.float32)  # fp32, or fp64 for an fp64 iteration
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype).clamp_min(eps)
     padded = -(-n // LONG_SIDE_ALIGNMENT) * LONG_SIDE_ALIGNMENT
     shape = (*X.shape[:-1], padded)
-    out = X.new_empty(shape, dtype=work_dtype) if padded == n else X.new_zeros(shape, dtype=work_dtype)
-    torch.div(X, norm, out=out[..., :n])
-    return out
+    return ops.scaled_copy(X, norm, X.new_empty(shape, dtype=work_dtype))
 
 
 def choose_method(m: int, n: int) -> str:
@@ -177,8 +176,8 @@ def orthogonalize(
         X = X.mT
     m, n = X.shape[-2:]
     chosen = choose_method(m, n) if method == "auto" else method
-    X = _normalized_padded(X, eps, work_dtype(X, chosen, compute_dtype))
     ops = select_ops(X.device, backend)
+    X = _normalized_padded(X, eps, work_dtype(X, chosen, compute_dtype), ops)
     if chosen == "gram":
         Y = gram_newton_schulz(X, schedule, ops, restarts=restarts, transpose_output=transposed)
         Y = Y[:, :n, :] if transposed else Y[:, :, :n]

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_muon.kernels import scaled_copy as scaled_copy_kernel
 from megatron_muon.kernels.ops import TorchOps
 
 
@@ -144,10 +145,17 @@ MIN_TRITON_ROWS = 256
 
 
 class TritonOps:
-    """Symmetric products in Triton (half the tiles); general products stay on cuBLAS (`TorchOps.mm`)."""
+    """Symmetric products and the input normalization in Triton (half the tiles; one coalesced pass); general
+    products stay on cuBLAS (`TorchOps.mm`)."""
 
     name = "triton"
     mm = staticmethod(TorchOps.mm)
+
+    @staticmethod
+    def scaled_copy(X, norm, out) -> torch.Tensor:
+        if not scaled_copy_kernel.usable(X):
+            return TorchOps.scaled_copy(X, norm, out)
+        return scaled_copy_kernel.scaled_copy(X, norm, out)
 
     @staticmethod
     def sym_mm(A, B, C=None, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:

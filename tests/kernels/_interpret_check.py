@@ -1,4 +1,5 @@
-"""Run under TRITON_INTERPRET=1 in a subprocess: the Triton symmetric kernel on CPU against the torch backend."""
+"""Run under TRITON_INTERPRET=1 in a subprocess: the Triton kernels (symmetric products, the NS input pass) on CPU
+against the torch backend."""
 
 import torch
 import triton.runtime.interpreter as interpreter
@@ -17,6 +18,7 @@ interpreter._patch_lang_tensor = _patch_with_numpy_2_5_index
 
 from megatron_muon.kernels import orthogonalize  # noqa: E402
 from megatron_muon.kernels.ops import TorchOps  # noqa: E402
+from megatron_muon.kernels.scaled_copy import scaled_copy  # noqa: E402
 from megatron_muon.kernels.symmetric import symmetric_matmul  # noqa: E402
 
 
@@ -32,6 +34,12 @@ def main():
         out = symmetric_matmul(R, R, R, alpha=2.0, beta=-3.0)
         assert torch.equal(out, out.mT)
         torch.testing.assert_close(out.float(), TorchOps.sym_mm(R, R, R, 2.0, -3.0).float(), rtol=2e-3, atol=2e-3)
+    # the NS input pass: any source strides (a transposed view here), zero padding, bit-equal to torch
+    sources = [(torch.randn(2, 70, 20, generator=g).mT, 128), (torch.randn(3, 20, 64, generator=g).bfloat16(), 64)]
+    for source, width in sources:
+        norm = torch.linalg.vector_norm(source, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+        fast = scaled_copy(source, norm, torch.full((source.size(0), 20, width), 7.0, dtype=torch.float16))
+        assert torch.equal(fast, TorchOps.scaled_copy(source, norm, torch.empty_like(fast)))
     G = torch.randn(2, 24, 80, generator=g)
     for method in ("standard", "gram"):
         fast = orthogonalize(G, method=method, backend="triton")
