@@ -56,6 +56,8 @@ def test_profile_categories_sum_to_all_kernels():
     assert kernel_category("triton_poi_fused_cat_silu_0").startswith("Inductor")
     assert kernel_category("_sym_mm_kernel").startswith("Muon")
     assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop").startswith("attention")
+    assert kernel_category("_momentum_kernel").startswith("optimizer")
+    assert kernel_category("_scaled_copy_kernel").startswith("optimizer")
     assert kernel_category("some_unknown_kernel") == "other"
     rows = category_table([("nvjet_a", 3000.0), ("triton_poi_b", 1000.0), ("x", 1000.0)], steps=2)
     assert rows[2] == "| GEMM (cuBLAS / CUTLASS) | 1.5 | 60.0% |"
