@@ -133,9 +133,11 @@ def top_kernels_per_category(kernels: list[tuple[str, float]], steps: int, per_c
     return lines
 
 
-def idle_gaps(intervals: list[tuple[float, float, str]], steps: int, largest: int = 10) -> list[str]:
+def idle_gaps(intervals: list[tuple[float, float, str]], steps: int, largest: int = 10,
+              cpu_events: list[tuple[float, float, str]] = ()) -> list[str]:
     """Markdown lines: how long the GPU sits idle between kernels (start, end in µs, name), per step, and the
-    largest gaps with the kernels on either side, so that idle time can be traced to the code that causes it."""
+    largest gaps with the kernels on either side and what the CPU was doing meanwhile (`cpu_busy_during`), so that
+    idle time can be traced to the code that causes it."""
     if not intervals:
         return []
     ordered = sorted(intervals)
@@ -143,20 +145,27 @@ def idle_gaps(intervals: list[tuple[float, float, str]], steps: int, largest: in
     start_of_busy = ordered[0][0]
     for begin, end, name in ordered[1:]:
         if begin > reach:
-            gaps.append((begin - reach, last_name, name))
+            gaps.append((reach, begin, last_name, name))
             busy += reach - start_of_busy
             start_of_busy = begin
         if end >= reach:
             reach, last_name = end, name
     busy += reach - start_of_busy
-    span = reach - ordered[0][0]
-    idle = span - busy
+    idle = reach - ordered[0][0] - busy
     lines = [f"GPU busy {busy / steps / 1e3:.1f} ms/step, idle between kernels {idle / steps / 1e3:.1f} ms/step "
              f"({len(gaps)} gaps over {steps} steps).", "",
-             "| gap ms | after kernel | before kernel |", "|---:|---|---|"]
-    for length, before, after in sorted(gaps, key=lambda gap: -gap[0])[:largest]:
-        lines.append(f"| {length / 1e3:.2f} | `{before[:70]}` | `{after[:70]}` |")
+             "| gap ms | after kernel | before kernel | CPU meanwhile |", "|---:|---|---|---|"]
+    for start, end, before, after in sorted(gaps, key=lambda gap: gap[0] - gap[1])[:largest]:
+        lines.append(f"| {(end - start) / 1e3:.2f} | `{before[:70]}` | `{after[:70]}` | "
+                     f"`{cpu_busy_during(start, end, cpu_events)[:70]}` |")
     return lines
+
+
+def cpu_busy_during(start: float, end: float, cpu_events: list[tuple[float, float, str]]) -> str:
+    """The narrowest CPU-side event (operator, runtime call or annotated range) covering at least half of the
+    interval: the most specific thing the CPU was doing while the GPU waited; '-' when nothing covers it."""
+    covering = [(e - b, name) for b, e, name in cpu_events if min(e, end) - max(b, start) >= 0.5 * (end - start)]
+    return min(covering)[1] if covering else "-"
 
 
 def write_profile(path: Path, rung, run_steps, top: int = 80, steps: int = 2) -> None:
@@ -176,7 +185,9 @@ def write_profile(path: Path, rung, run_steps, top: int = 80, steps: int = 2) ->
                if on_gpu and event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
     intervals = [(event.time_range.start, event.time_range.end, event.name) for event in prof.events()
                  if on_gpu and event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
-    summary = [*category_table(kernels, steps), "", *idle_gaps(intervals, steps), "",
+    cpu_events = [(event.time_range.start, event.time_range.end, event.name) for event in prof.events()
+                  if on_gpu and event.device_type == DeviceType.CPU]
+    summary = [*category_table(kernels, steps), "", *idle_gaps(intervals, steps, cpu_events=cpu_events), "",
                *top_kernels_per_category(kernels, steps)] if kernels else ["(no GPU kernels: CPU run)"]
     # Operator rows (aten::mm, our custom ops) and the kernels they launch are both listed; the table's footer
     # ("Self CUDA time total") counts each kernel once.

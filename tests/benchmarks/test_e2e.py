@@ -79,8 +79,11 @@ def test_idle_gaps_merge_overlapping_kernels_and_rank_gaps():
 
     # a [0, 10) overlaps b [5, 20); gap 20 -> 50 (30 µs) before c; gap 60 -> 70 (10 µs) before d
     intervals = [(50.0, 60.0, "c"), (0.0, 10.0, "a"), (5.0, 20.0, "b"), (70.0, 1070.0, "d")]
-    lines = idle_gaps(intervals, steps=1, largest=2)
+    # the CPU: a step-long range, an op over most of the first gap, a short op that covers too little of it
+    cpu = [(0.0, 2000.0, "step"), (18.0, 45.0, "aten::item"), (21.0, 24.0, "cudaLaunchKernel")]
+    lines = idle_gaps(intervals, steps=1, largest=2, cpu_events=cpu)
     assert lines[0].startswith("GPU busy 1.0 ms/step, idle between kernels 0.0 ms/step (2 gaps")
-    assert lines[4] == "| 0.03 | `b` | `c` |"
-    assert lines[5] == "| 0.01 | `c` | `d` |"
+    assert lines[4] == "| 0.03 | `b` | `c` | `aten::item` |"
+    assert lines[5] == "| 0.01 | `c` | `d` | `step` |"
+    assert idle_gaps(intervals, steps=1, largest=1)[4] == "| 0.03 | `b` | `c` | `-` |"
     assert idle_gaps([], steps=1) == []

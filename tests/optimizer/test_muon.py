@@ -238,3 +238,14 @@ def test_non_finite_gradient_names_the_parameter_and_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(params, snapshot[1]))
     for key, value in state["state"].items():
         assert torch.equal(value["momentum_buffer"], snapshot[0]["state"][key]["momentum_buffer"])
+
+
+def test_step_phases_are_named_in_profiler_traces():
+    params = _params(SHAPES)
+    optimizer = Muon(params, lr=0.02)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _run(optimizer, params, 1)
+    names = {event.name for event in prof.events()}
+    for phase in ("muon.stack_momentum", "muon.orthogonalize", "muon.apply_updates"):
+        # one range per shape bucket: (16, 48) (two matrices), (48, 16), (32, 32) (two), (24, 40)
+        assert sum(name.startswith(phase) for name in names) == 4, (phase, sorted(names))
