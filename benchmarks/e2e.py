@@ -76,7 +76,7 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
     else:
         module = build_model(recipe, config)
     if rung.compiled:
-        module.forward = torch.compile(module.forward)
+        module.forward = torch.compile(module.forward, mode=recipe.training.compile_mode)
     model = wrap_model(module, config, recipe)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     if rung.fused_adam:

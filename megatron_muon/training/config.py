@@ -64,6 +64,7 @@ class TrainingSection:
     seed: int = 1234
     precision: str = "fp32"  # "bf16", "fp16" or "fp32"
     torch_compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode: "reduce-overhead" adds CUDA graphs
 
 
 @dataclass

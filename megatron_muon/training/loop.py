@@ -177,7 +177,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
     config = transformer_config(recipe, on_gpu=on_gpu)
     module = build_model(recipe, config)
     if train.torch_compile:
-        module.forward = torch.compile(module.forward)
+        module.forward = torch.compile(module.forward, mode=train.compile_mode)
     model = wrap_model(module, config, recipe)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     fused_adam_groups = use_fused_torch_adam(optimizer)  # megatron's torch-AdamW fallback, fused on GPUs

@@ -61,6 +61,7 @@ def test_scaled_out_layouts():
         (["training.global_batch_size=12"], 2, "multiple of micro_batch_size x data-parallel size"),
         (["model.layer_pattern=GGX*"], 1, "may only use 'G'"),
         (["training.precision=fp8"], 1, "training.precision"),
+        (["training.compile_mode=fast"], 1, "'training.compile_mode' must be one of default, reduce-overhead"),
         (["training.train_iters=ten"], 1, "must be int"),
         (["data.path=/nonexistent/prefix"], 1, "no '/nonexistent/prefix.bin'"),
         (["parallel.data_parallel_size=4"], 2, "launch that many processes"),
