@@ -180,13 +180,17 @@ def write_profile(path: Path, rung, run_steps, top: int = 80, steps: int = 2) ->
     averages = prof.key_averages()
     sort_key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     table = averages.table(sort_by=sort_key, row_limit=top, max_name_column_width=90)
-    # GPU-side user annotations (e.g. `Optimizer.step#AdamW.step`) span kernels already counted: left out.
-    kernels = [(event.key, event.self_device_time_total) for event in averages
-               if on_gpu and event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
-    intervals = [(event.time_range.start, event.time_range.end, event.name) for event in prof.events()
-                 if on_gpu and event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)]
-    cpu_events = [(event.time_range.start, event.time_range.end, event.name) for event in prof.events()
-                  if on_gpu and event.device_type == DeviceType.CPU]
+    def is_kernel(event) -> bool:  # GPU-side user annotations (`Optimizer.step#AdamW.step`) span counted kernels
+        return on_gpu and event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+    kernels = [(event.key, event.self_device_time_total) for event in averages if is_kernel(event)]
+    intervals, cpu_events = [], []
+    for event in prof.events() if on_gpu else ():
+        span = (event.time_range.start, event.time_range.end, event.name)
+        if is_kernel(event):
+            intervals.append(span)
+        elif event.device_type == DeviceType.CPU:
+            cpu_events.append(span)
     summary = [*category_table(kernels, steps), "", *idle_gaps(intervals, steps, cpu_events=cpu_events), "",
                *top_kernels_per_category(kernels, steps)] if kernels else ["(no GPU kernels: CPU run)"]
     # Operator rows (aten::mm, our custom ops) and the kernels they launch are both listed; the table's footer

@@ -13,8 +13,6 @@ division is not always, so the two results rarely differ, by one fp16 step.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -56,8 +54,3 @@ def scaled_copy(X: torch.Tensor, norm: torch.Tensor, out: torch.Tensor) -> torch
     )  # fmt: skip
     return out
 
-
-def usable(X: torch.Tensor) -> bool:
-    """The kernel covers 16/32-bit floats on the GPU (or under TRITON_INTERPRET=1); fp64 stays on torch."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return X.dtype in SUPPORTED_DTYPES and (X.device.type == "cuda" or interpreting)

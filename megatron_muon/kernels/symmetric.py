@@ -153,7 +153,7 @@ class TritonOps:
 
     @staticmethod
     def scaled_copy(X, norm, out) -> torch.Tensor:
-        if not scaled_copy_kernel.usable(X):
+        if X.dtype not in scaled_copy_kernel.SUPPORTED_DTYPES:  # fp64 stays on torch, like sym_mm below
             return TorchOps.scaled_copy(X, norm, out)
         return scaled_copy_kernel.scaled_copy(X, norm, out)
 

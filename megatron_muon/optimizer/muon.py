@@ -295,7 +295,7 @@ class Muon(torch.optim.Optimizer):
         fused = fused_passes.use_fused(self.fused_elementwise, params[0].device)
         sources = self._momentum_sources(params, grads, group_of, fused)
         for bucket in plan.buckets:
-            # Named ranges in profiler traces (a no-op otherwise): GPU idle time can be traced to the phase.
+            # Named ranges in profiler traces (cheap without a profiler): GPU idle time maps to the phase.
             with record_function(f"muon.stack_momentum {bucket.shape}"):
                 stacked = self._stack_updates(bucket, plan, sources)
             # 16-bit parameters keep the stack-dtype result: their rounding then matches the distributed owners'.
