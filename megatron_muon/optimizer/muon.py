@@ -4,9 +4,10 @@ Each step, per shape bucket (matrices of equal shape from any layer, expert or f
 Nesterov blend written straight into one stacked bf16 NS input, one batched Newton–Schulz returning its fp16
 result, and in-place parameter updates (weight decay included) with the shape's scale folded into the step size.
 On CUDA the elementwise work is one Triton pass per bucket (`fused_pieces`; per piece where layouts differ:
-`fused_elementwise`); elsewhere the EMA and the decay run foreach per param group first. No fp32 copy of the updates is materialized between those passes. The
-bucket plan is built lazily in `step()` and rebuilt whenever the set of parameters with gradients changes, because
-Megatron narrows param groups and swaps in fp32 master copies after construction.
+`fused_elementwise`); elsewhere the EMA and the decay run foreach per param group first. No fp32 copy of the
+updates is materialized between those passes. The bucket plan is built lazily in `step()` and rebuilt whenever the
+set of parameters with gradients changes, because Megatron narrows param groups and swaps in fp32 master copies
+after construction.
 """
 
 from __future__ import annotations
@@ -348,9 +349,8 @@ class Muon(torch.optim.Optimizer):
         if not fused:
             muon_math.apply_updates_(targets, chunks, lr=group["lr"], scale=scale)
             return
-        decay = muon_math.weight_decay_factor(
-            lr=group["lr"], weight_decay=group["weight_decay"], mode=group["weight_decay_mode"]
-        )
+        decay = muon_math.weight_decay_factor(lr=group["lr"], weight_decay=group["weight_decay"],
+                                              mode=group["weight_decay_mode"])
         options = dict(decay=decay, alpha=-group["lr"] * scale)
         if not fused_pieces.decay_and_update_pieces_(targets, chunks, **options):  # one launch for all pieces
             for target, chunk in zip(targets, chunks):
