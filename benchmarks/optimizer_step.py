@@ -112,6 +112,20 @@ def breakdown(optimizer: Muon, device, warmup: int, repeats: int) -> dict[str, f
     return {"step": total, "ns": ns, "stacking": stacking, "rest": total - ns - stacking, "elementwise": total - ns}
 
 
+class _PerPieceMuon(Muon):
+    """Ours with one launch per piece for the fused elementwise passes (no `fused_pieces`): the same-run A/B."""
+
+    def step(self, closure=None):
+        from megatron_muon.optimizer import fused_pieces
+
+        saved = fused_pieces.momentum_into_slots_, fused_pieces.decay_and_update_pieces_
+        fused_pieces.momentum_into_slots_ = fused_pieces.decay_and_update_pieces_ = lambda *a, **k: False
+        try:
+            return super().step(closure)
+        finally:
+            fused_pieces.momentum_into_slots_, fused_pieces.decay_and_update_pieces_ = saved
+
+
 def make_variants(has_cuda: bool):
     """name -> (which params, optimizer factory)."""
     fused = dict(fused=True) if has_cuda else dict(foreach=True)
@@ -130,6 +144,8 @@ def make_variants(has_cuda: bool):
             "matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", check_finite=False)),
         "ours (auto, MegaBatch, fused splits, fused elementwise off)": (
             "matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", fused_elementwise=False)),
+        "ours (auto, MegaBatch, fused splits, one launch per piece)": (
+            "matrices", lambda ps: _PerPieceMuon(ps, lr=0.02, scale_mode="spectral")),
     }
     try:
         from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS, TensorParallelMuon
@@ -163,7 +179,8 @@ def main() -> None:
     variants = make_variants(device.type == "cuda")
     if args.only_ours:
         keep = ("fused AdamW, all params", "fused AdamW, non-matrix rest", "ours (auto, MegaBatch, fused splits)",
-                "ours (auto, MegaBatch, fused splits, fused elementwise off)")
+                "ours (auto, MegaBatch, fused splits, fused elementwise off)",
+                "ours (auto, MegaBatch, fused splits, one launch per piece)")
         variants = {k: v for k, v in variants.items() if k in keep}
     for name, (which, factory) in variants.items():
         for p, saved in zip(matrices + rest, snapshot):

@@ -122,8 +122,9 @@ def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool) 
     ema_weight, blend_weight = 1.0 - momentum, float(momentum)
     _momentum_kernel[grid](
         grad, buffer, slot, blocks * rows, rows, cols, *strides[0], *strides[1], *strides[2], ema_weight,
-        blend_weight, EMA_SMALL=_lerp_weight_small(ema_weight), BLEND_SMALL=_lerp_weight_small(blend_weight),
-        NESTEROV=bool(nesterov), EMULATE=_INTERPRETING, **tile,
+        blend_weight, grad, buffer, 0, EMA_SMALL=_lerp_weight_small(ema_weight),
+        BLEND_SMALL=_lerp_weight_small(blend_weight), NESTEROV=bool(nesterov), EMULATE=_INTERPRETING, PIECES=False,
+        **tile,
     )  # fmt: skip
 
 
@@ -146,8 +147,8 @@ def decay_and_update_(target, update, *, decay: float, alpha: float) -> None:
         return
     grid, tile = _launch(blocks * rows, cols)
     _decay_update_kernel[grid](
-        target, update, blocks * rows, rows, cols, *strides[0], *strides[1], float(decay), float(alpha),
-        EMULATE=_INTERPRETING, **tile,
+        target, update, blocks * rows, rows, cols, *strides[0], *strides[1], float(decay), float(alpha), target, 0,
+        EMULATE=_INTERPRETING, PIECES=False, **tile,
     )  # fmt: skip
 
 
@@ -208,10 +209,15 @@ if triton is not None:
         Grad, Buffer, Slot, total_rows, rows, cols,
         grad_block_stride, grad_row_stride, buffer_block_stride, buffer_row_stride,
         slot_block_stride, slot_row_stride,
-        ema_weight, blend_weight,
+        ema_weight, blend_weight, GradOffsets, BufferOffsets, slot_piece_stride,
         EMA_SMALL: tl.constexpr, BLEND_SMALL: tl.constexpr, NESTEROV: tl.constexpr,
-        EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PIECES: tl.constexpr,
     ):  # fmt: skip
+        if PIECES:  # grid axis 2 walks same-geometry pieces: element offsets from Grad / Buffer, slots stacked
+            piece = tl.program_id(2)
+            Grad += tl.load(GradOffsets + piece)
+            Buffer += tl.load(BufferOffsets + piece)
+            Slot += piece.to(tl.int64) * slot_piece_stride
         block, row, col, mask = _tile(total_rows, rows, cols, ROWS, BLOCK)
         grad_at = _at(Grad, block, row, col, grad_block_stride, grad_row_stride)
         buffer_at = _at(Buffer, block, row, col, buffer_block_stride, buffer_row_stride)
@@ -239,9 +245,13 @@ if triton is not None:
     def _decay_update_kernel(
         Target, Update, total_rows, rows, cols,
         target_block_stride, target_row_stride, update_block_stride, update_row_stride,
-        decay, alpha,
-        EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        decay, alpha, TargetOffsets, update_piece_stride,
+        EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PIECES: tl.constexpr,
     ):  # fmt: skip
+        if PIECES:  # grid axis 2 walks same-geometry pieces: element offsets from Target, updates stacked
+            piece = tl.program_id(2)
+            Target += tl.load(TargetOffsets + piece)
+            Update += piece.to(tl.int64) * update_piece_stride
         block, row, col, mask = _tile(total_rows, rows, cols, ROWS, BLOCK)
         target_at = _at(Target, block, row, col, target_block_stride, target_row_stride)
         update_at = _at(Update, block, row, col, update_block_stride, update_row_stride)

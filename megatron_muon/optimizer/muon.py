@@ -3,10 +3,11 @@
 Each step, per shape bucket (matrices of equal shape from any layer, expert or fused part): the momentum EMA and
 Nesterov blend written straight into one stacked bf16 NS input, one batched Newton–Schulz returning its fp16
 result, and in-place parameter updates (weight decay included) with the shape's scale folded into the step size.
-On CUDA the elementwise work is one Triton pass per matrix piece (`fused_elementwise`); elsewhere the EMA and the
-decay run foreach per param group first. No fp32 copy of the updates is materialized between those passes. The
-bucket plan is built lazily in `step()` and rebuilt whenever the set of parameters with gradients changes, because
-Megatron narrows param groups and swaps in fp32 master copies after construction.
+On CUDA the elementwise work is one Triton pass per bucket (`fused_pieces`; per piece where layouts differ:
+`fused_elementwise`); elsewhere the EMA and the decay run foreach per param group first. No fp32 copy of the
+updates is materialized between those passes. The bucket plan is built lazily in `step()` and rebuilt whenever the
+set of parameters with gradients changes, because Megatron narrows param groups and swaps in fp32 master copies
+after construction.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.profiler import record_function
 from megatron_muon.kernels import resolve_coefficients
 from megatron_muon.kernels.newton_schulz import METHODS, work_dtype
 from megatron_muon.optimizer import fused_elementwise as fused_passes
+from megatron_muon.optimizer import fused_pieces
 from megatron_muon.optimizer import muon_math
 from megatron_muon.optimizer.routing import (
     MatrixLayout,
@@ -202,8 +204,6 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = buffer.to(self.momentum_dtype)
         self._plan_cache = None
 
-    # ---- the bucket plan ----
-
     def _tp_key(self, param: torch.Tensor, layout: MatrixLayout) -> tuple[object, int | None]:
         if self.tp_mode == "blockwise" or layout.partition_dim is None or self.tp_group_fn is None:
             return None, None
@@ -238,8 +238,6 @@ class Muon(torch.optim.Optimizer):
             self._plan_cache = (key, self._build_plan(params, group_of))
         return self._plan_cache[1]
 
-    # ---- the step ----
-
     def _check_grads_finite(self, params: list[torch.Tensor], grads: list[torch.Tensor], group_of: list[int]):
         if not grads:
             return
@@ -273,6 +271,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One Muon step; each bucket's phases are named ranges in profiler traces (GPU idle time maps to them)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -295,7 +294,6 @@ class Muon(torch.optim.Optimizer):
         fused = fused_passes.use_fused(self.fused_elementwise, params[0].device)
         sources = self._momentum_sources(params, grads, group_of, fused)
         for bucket in plan.buckets:
-            # Named ranges in profiler traces (cheap without a profiler): GPU idle time maps to the phase.
             with record_function(f"muon.stack_momentum {bucket.shape}"):
                 stacked = self._stack_updates(bucket, plan, sources)
             # 16-bit parameters keep the stack-dtype result: their rounding then matches the distributed owners'.
@@ -351,11 +349,12 @@ class Muon(torch.optim.Optimizer):
         if not fused:
             muon_math.apply_updates_(targets, chunks, lr=group["lr"], scale=scale)
             return
-        decay = muon_math.weight_decay_factor(
-            lr=group["lr"], weight_decay=group["weight_decay"], mode=group["weight_decay_mode"]
-        )
-        for target, chunk in zip(targets, chunks):
-            fused_passes.decay_and_update_(target, chunk, decay=decay, alpha=-group["lr"] * scale)
+        decay = muon_math.weight_decay_factor(lr=group["lr"], weight_decay=group["weight_decay"],
+                                              mode=group["weight_decay_mode"])
+        options = dict(decay=decay, alpha=-group["lr"] * scale)
+        if not fused_pieces.decay_and_update_pieces_(targets, chunks, **options):  # one launch for all pieces
+            for target, chunk in zip(targets, chunks):
+                fused_passes.decay_and_update_(target, chunk, **options)
 
     def _stack_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return muon_math.stack_dtype(grad_dtype, self.compute_dtype)
@@ -371,17 +370,21 @@ class Muon(torch.optim.Optimizer):
         dtype = self._stack_dtype(pieces[0][1].dtype)
         count = sum(piece[1].shape[0] for piece in pieces)
         stacked = torch.empty((count, *bucket.shape), dtype=dtype, device=pieces[0][1].device)
-        offset = 0
+        offset, pending = 0, []
         for index, grad_piece, buffer_piece, ema_pending in pieces:
-            group = self.param_groups[plan.group_of[index]]
+            group_index = plan.group_of[index]
             slot = stacked[offset : offset + grad_piece.shape[0]].view(grad_piece.shape)
             offset += grad_piece.shape[0]
+            group = self.param_groups[group_index]
             if ema_pending:  # each piece is in exactly one bucket: the EMA covers every buffer element once
-                fused_passes.momentum_into_slot_(
-                    grad_piece, buffer_piece, slot, momentum=group["momentum"], nesterov=group["nesterov"]
-                )
+                pending.append((group_index, grad_piece, buffer_piece, slot))
             else:
                 muon_math.nesterov_into_(grad_piece, buffer_piece, slot, group["momentum"], group["nesterov"])
+        for group_index, run in fused_pieces.runs_by_group(pending):
+            options = {key: self.param_groups[group_index][key] for key in ("momentum", "nesterov")}
+            if not fused_pieces.momentum_into_slots_(*zip(*run), **options):  # one launch for the whole run
+                for grad_piece, buffer_piece, slot in run:
+                    fused_passes.momentum_into_slot_(grad_piece, buffer_piece, slot, **options)
         return stacked
 
 

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from megatron_muon.distributed.owner_muon import OwnerMuon
-from megatron_muon.optimizer import Muon, fused_elementwise, muon_math
+from megatron_muon.optimizer import Muon, fused_elementwise, fused_pieces, muon_math
 from megatron_muon.optimizer.routing import MatrixLayout, piece_views
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -81,6 +81,39 @@ def check_decay_and_update(generator) -> None:
                       "one rounding plus the rounded alpha")
 
 
+def check_pieces_in_one_launch(generator) -> None:
+    """fused_pieces against the per-piece passes, bit for bit: pieces in separate tensors (any element offset
+    between them), slots / updates evenly spaced in one stacked tensor; unqualified pieces are left untouched."""
+    for grad_dtype, buffer_dtype, slot_dtype in [(torch.float32, torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32, torch.float16)]:
+        grads = [torch.randn(3, 12, 37, generator=generator).to(grad_dtype)[:, 2:8] for _ in range(3)]
+        buffers = [torch.randn(3, 12, 37, generator=generator).to(buffer_dtype)[:, 2:8] for _ in range(3)]
+        expected_buffers = [b.clone() for b in buffers]
+        stacked, expected = (torch.empty(3, 3, 6, 37, dtype=slot_dtype) for _ in range(2))
+        for grad, buffer, slot in zip(grads, expected_buffers, expected):
+            fused_elementwise.momentum_into_slot_(grad, buffer, slot, momentum=0.95, nesterov=True)
+        done = fused_pieces.momentum_into_slots_(grads, buffers, list(stacked), momentum=0.95, nesterov=True)
+        case = f"pieces: momentum grad {grad_dtype} buffer {buffer_dtype} slot {slot_dtype}"
+        check(done, f"{case}: not taken as one launch")
+        check(all(torch.equal(a, b) for a, b in zip(buffers, expected_buffers)), f"{case}: buffers differ")
+        check(torch.equal(stacked, expected), f"{case}: slots differ")
+    targets = [torch.randn(22, 33, generator=generator)[::2] for _ in range(3)]
+    expected_targets = [t.clone() for t in targets]
+    updates = torch.randn(3, 11, 33, generator=generator).half()
+    for target, update in zip(expected_targets, updates):
+        fused_elementwise.decay_and_update_(target, update, decay=0.99, alpha=-0.03)
+    check(fused_pieces.decay_and_update_pieces_(targets, list(updates), decay=0.99, alpha=-0.03),
+          "pieces: decay+update not taken as one launch")
+    check(all(torch.equal(a, b) for a, b in zip(targets, expected_targets)), "pieces: decay+update differs")
+    mixed = [torch.randn(11, 33, generator=generator), torch.randn(11, 32, generator=generator)]
+    before = [t.clone() for t in mixed]
+    check(not fused_pieces.decay_and_update_pieces_(mixed, list(updates[:2]), decay=0.5, alpha=1.0)
+          and all(torch.equal(a, b) for a, b in zip(mixed, before)), "pieces: unqualified pieces were touched")
+    uneven = [updates[0], updates[2]][::-1]
+    check(not fused_pieces.decay_and_update_pieces_(targets[:2], uneven, decay=0.5, alpha=1.0),
+          "pieces: updates in reverse order taken as evenly spaced")
+
+
 def check_uncovered_fall_back(generator) -> None:
     grad = torch.randn(6, 10, generator=generator, dtype=torch.float64)
     buffer, expected = torch.zeros_like(grad), torch.zeros_like(grad)
@@ -97,13 +130,15 @@ def check_uncovered_fall_back(generator) -> None:
 
 
 def muon_params(generator, dtype):
-    """A plain matrix, a fused QKV split per section (2 query groups), and a 3-D expert stack."""
+    """A plain matrix, a fused QKV split per section (2 query groups), a 3-D expert stack, and three wide matrices
+    of one shape (one launch per pass for the three: `fused_pieces`)."""
     plain = torch.nn.Parameter((torch.randn(24, 16, generator=generator) * 0.1).to(dtype))
     qkv = torch.nn.Parameter((torch.randn(2 * (8 + 4 + 4), 16, generator=generator) * 0.1).to(dtype))
     qkv.is_qkv, qkv.qkv_split_shapes = True, [8, 4, 4]
     experts = torch.nn.Parameter((torch.randn(2, 16, 24, generator=generator) * 0.1).to(dtype))
     experts.muon_num_experts = 2
-    return [plain, qkv, experts]
+    wide = [torch.nn.Parameter((torch.randn(16, 40, generator=generator) * 0.1).to(dtype)) for _ in range(3)]
+    return [plain, qkv, experts, *wide]
 
 
 def run_steps(make_optimizer, params, steps: int = 3):
@@ -114,6 +149,20 @@ def run_steps(make_optimizer, params, steps: int = 3):
             p.grad = torch.randn(p.shape, generator=generator).to(p.dtype) * 1e-2
         optimizer.step()
     return optimizer
+
+
+def check_muon_takes_one_launch_per_bucket() -> None:
+    """Muon's fused step runs the three wide matrices' passes as one launch each (`fused_pieces`)."""
+    taken = []
+    momentum, update = fused_pieces.momentum_into_slots_, fused_pieces.decay_and_update_pieces_
+    fused_pieces.momentum_into_slots_ = lambda *a, **k: taken.append(("momentum", momentum(*a, **k))) or taken[-1][1]
+    fused_pieces.decay_and_update_pieces_ = lambda *a, **k: taken.append(("update", update(*a, **k))) or taken[-1][1]
+    try:
+        params = muon_params(torch.Generator().manual_seed(0), torch.float32)
+        run_steps(lambda _: Muon(params, lr=0.02, fused_elementwise=True), params, 1)
+    finally:
+        fused_pieces.momentum_into_slots_, fused_pieces.decay_and_update_pieces_ = momentum, update
+    check(("momentum", True) in taken and ("update", True) in taken, f"Muon did not launch per bucket: {taken}")
 
 
 def check_muon(generator, steps: int = 3) -> None:
@@ -131,7 +180,7 @@ def check_muon(generator, steps: int = 3) -> None:
         results = {}
         for engine, fused in itertools.product((Muon, OwnerMuon), (True, False)):
             params = muon_params(torch.Generator().manual_seed(seed), dtype)  # deepcopy drops megatron's tags
-            groups = [dict(params=params[:2]), dict(params=params[2:], lr=0.01)]
+            groups = [dict(params=params[:2] + params[3:]), dict(params=params[2:3], lr=0.01)]
 
             def make(_, engine=engine, fused=fused, groups=groups):
                 return engine(groups, lr=0.02, fused_elementwise=fused, **{"weight_decay": 0.1, **setting})
@@ -161,8 +210,10 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     check_momentum(generator)
     check_decay_and_update(generator)
+    check_pieces_in_one_launch(generator)
     check_uncovered_fall_back(generator)
     check_muon(generator)
+    check_muon_takes_one_launch_per_bucket()
     if FAILURES:
         print("\n".join(FAILURES))
         sys.exit(1)

@@ -117,3 +117,24 @@ def test_muon_fused_equals_torch_path_on_gpu(momentum_dtype, weight_decay_mode):
     (fused_params, fused_buffers), (torch_params, torch_buffers) = results
     for a, b in zip(fused_params + fused_buffers, torch_params + torch_buffers):
         assert torch.equal(a, b)
+
+
+@gpu_test
+def test_one_launch_per_bucket_equals_per_piece_on_gpu():
+    """fused_pieces on the GPU: separate allocations, evenly spaced slots / updates, same bits as per piece."""
+    from megatron_muon.optimizer import fused_pieces
+
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    grads = [torch.randn(3, 40, 257, device="cuda", generator=generator)[:, 4:30] for _ in range(5)]
+    buffers = [torch.randn(3, 40, 257, device="cuda", generator=generator)[:, 4:30] for _ in range(5)]
+    expected_buffers = [b.clone() for b in buffers]
+    stacked, expected = (torch.empty(5, 3, 26, 257, device="cuda", dtype=BF16) for _ in range(2))
+    for grad, buffer, slot in zip(grads, expected_buffers, expected):
+        fused_elementwise.momentum_into_slot_(grad, buffer, slot, momentum=0.95, nesterov=True)
+    assert fused_pieces.momentum_into_slots_(grads, buffers, list(stacked), momentum=0.95, nesterov=True)
+    assert torch.equal(stacked, expected) and all(torch.equal(a, b) for a, b in zip(buffers, expected_buffers))
+    expected_targets = [g.clone() for g in grads]
+    for target, update in zip(expected_targets, expected):
+        fused_elementwise.decay_and_update_(target, update, decay=0.998, alpha=-0.05)
+    assert fused_pieces.decay_and_update_pieces_(grads, list(stacked), decay=0.998, alpha=-0.05)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_targets))
