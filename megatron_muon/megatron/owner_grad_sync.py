@@ -153,7 +153,8 @@ def install_owner_grad_sync(optimizer, model_chunks) -> list[OwnedBucketGroupSyn
     for wrapper in wrappers:  # the plan (and the engine's dense or expert grid) is fixed from here on
         wrapper.optimizer.freeze_plan()
     wrappers = [w for w in wrappers if w.optimizer.grid.dp_size > 1]
-    flag = torch.tensor([1 if wrappers else 0], dtype=torch.int64)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([1 if wrappers else 0], dtype=torch.int64, device=device)  # NCCL reduces CUDA tensors only
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if not int(flag):
         return []
