@@ -20,6 +20,7 @@ import torch
 from megatron_muon.optimizer import fused_elementwise as single
 
 _TABLE_CACHE_SIZE = 256
+_MAX_PIECES = 65535  # CUDA's limit on the grid's third axis, which walks the pieces
 _offset_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 
@@ -61,7 +62,8 @@ def _qualify(varied: list[list[torch.Tensor]], stacked: list[torch.Tensor]):
     """(geometry, strides per role, offset tables of the `varied` roles, spacing of `stacked`) when one launch can
     cover the pieces, else None."""
     first = varied[0][0]
-    if single.triton is None or len(stacked) < 2 or first.numel() == 0 or not single.supported(first.device):
+    if single.triton is None or not 2 <= len(stacked) <= _MAX_PIECES or first.numel() == 0 \
+            or not single.supported(first.device):
         return None
     if not all(_same_layout(role) for role in (*varied, stacked)):
         return None

@@ -112,6 +112,13 @@ def check_pieces_in_one_launch(generator) -> None:
     uneven = [updates[0], updates[2]][::-1]
     check(not fused_pieces.decay_and_update_pieces_(targets[:2], uneven, decay=0.5, alpha=1.0),
           "pieces: updates in reverse order taken as evenly spaced")
+    limit, fused_pieces._MAX_PIECES = fused_pieces._MAX_PIECES, 2  # more pieces than the grid's third axis holds
+    try:
+        check(not fused_pieces.decay_and_update_pieces_(targets, list(updates), decay=0.5, alpha=1.0)
+              and all(torch.equal(a, b) for a, b in zip(targets, expected_targets)),
+              "pieces: more pieces than the grid axis holds taken as one launch")
+    finally:
+        fused_pieces._MAX_PIECES = limit
 
 
 def check_uncovered_fall_back(generator) -> None:
