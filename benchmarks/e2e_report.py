@@ -37,7 +37,8 @@ def loss_agreement(rows: dict) -> list[str]:
 
 
 def loss_trajectories(rows: dict) -> list[str]:
-    return [f"- rung {r['rung']}: " + " ".join(f"{x:.3f}" for x in r["losses"]) for r in rows.values() if r.get("losses")]
+    return [f"- rung {r['rung']}: " + " ".join(f"{x:.3f}" for x in r["losses"])
+            for r in rows.values() if r.get("losses")]
 
 
 def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None:
@@ -49,8 +50,8 @@ def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None
         f"- date {meta['date']}, device {meta['device']}, "
         + ", ".join(f"{k} {meta[k]}" for k in ("torch", "triton", "cudnn", "megatron-core", "fla-core", "tilelang")
                     if k in meta),
-        f"- recipe `{meta['recipe']}` {' '.join(meta['overrides'])}; {meta['steps']} steps per rung, timing = median of "
-        f"the steps after the first {meta['warmup']}",
+        f"- recipe `{meta['recipe']}` {' '.join(meta['overrides'])}; {meta['steps']} steps per rung, "
+        f"timing = median of the steps after the first {meta['warmup']}",
         *(f"- command: `{command}`" for command in meta.get("commands") or [meta["command"]]),
         "- a step is timed as megatron's loop runs it, with no synchronize between the backward and the optimizer "
         "step (rows measured before 414e2fd synchronized there, which added the optimizer's CPU prologue, ~2-3 ms)",
@@ -76,8 +77,8 @@ def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None
                       f"{rows['6']['step_ms'] / rows['4']['step_ms']:.3f}x"]
     agreement = loss_agreement(rows)
     if agreement:
-        lines += ["", "Loss agreement (bf16; each rung starts from the recipe seed and sees the same batches; rungs with "
-                  "the same spec have identical initial weights):", "",
+        lines += ["", "Loss agreement (bf16; each rung starts from the recipe seed and sees the same batches; "
+                  "rungs with the same spec have identical initial weights):", "",
                   "| rungs | what | step-1 rel. difference | mean abs. difference / mean loss | final losses |",
                   "|---|---|---|---|---|", *agreement,
                   "", "Losses per step (mock data: the loss falls within a few steps and spikes during warm-up, "

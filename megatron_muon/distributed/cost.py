@@ -60,7 +60,8 @@ class MeasuredCost:
         points: dict[Shape, list[tuple[int, float]]] = defaultdict(list)
         for (rows, cols, batch), seconds in self.table.items():
             if batch < 1 or seconds < 0:
-                raise ValueError(f"measured cost ({rows},{cols},batch={batch}) = {seconds}: need batch >= 1, seconds >= 0")
+                raise ValueError(f"measured cost ({rows},{cols},batch={batch}) = {seconds}: "
+                                 "need batch >= 1, seconds >= 0")
             points[(rows, cols)].append((batch, seconds))
         fits, ratios = {}, []
         for shape, pts in points.items():

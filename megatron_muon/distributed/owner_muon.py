@@ -315,8 +315,9 @@ class OwnerMuon(Muon):
             return loss
         missing = [n for p, n in zip(params, names) if p.grad is None]
         if missing:
-            raise ValueError(f"OwnerMuon needs a gradient for every parameter on every rank, but {missing[:3]} have "
-                             "none; keep unused parameters out of the optimizer or zero their grads (set_to_none=False)")
+            raise ValueError(f"OwnerMuon needs a gradient for every parameter on every rank, but {missing[:3]} "
+                             "have none; keep unused parameters out of the optimizer or zero their grads "
+                             "(set_to_none=False)")
         grads = [p.grad for p in params]
         fused = fused_elementwise.use_fused(self.fused_elementwise, params[0].device)
         self._ensure_plan(params, group_of, names)

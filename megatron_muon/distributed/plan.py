@@ -261,7 +261,8 @@ def plan_milp(
         integrality=integrality,
         bounds=Bounds(np.zeros(num_vars), upper),
         constraints=LinearConstraint(a.tocsr(), lo, hi),
-        options={"time_limit": float(time_limit_s), "mip_rel_gap": 2e-3, "presolve": True, "node_limit": MILP_NODE_LIMIT},
+        options={"time_limit": float(time_limit_s), "mip_rel_gap": 2e-3, "presolve": True,
+                 "node_limit": MILP_NODE_LIMIT},
     )
     if result.x is None:
         return None

@@ -48,7 +48,8 @@ def profile_cost_table(
 
     `ns_settings` are `muon_math.orthogonal_update` arguments (ns_steps, coefficients, method, compute_dtype)."""
     if len(set(batches)) < 2 or min(batches) < 1:
-        raise ValueError(f"batches needs two or more distinct sizes >= 1 to fit launch + per-matrix cost, got {batches}")
+        raise ValueError("batches needs two or more distinct sizes >= 1 to fit launch + per-matrix cost, "
+                         f"got {batches}")
     device = torch.device(device) if device is not None else torch.device("cpu")
     settings = dict(ns_steps=5, coefficients="quintic")
     settings.update(ns_settings)

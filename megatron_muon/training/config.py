@@ -140,7 +140,8 @@ class Recipe:
         return self.logging.output_dir.format(name=self.name)
 
 
-SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Recipe) if f.default_factory is not dataclasses.MISSING}
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Recipe)
+            if f.default_factory is not dataclasses.MISSING}
 TOP_LEVEL_KEYS = ("name", "description", "extends")
 
 
@@ -195,7 +196,8 @@ def _check_type(key: str, value: Any, default: Any, annotation: str) -> Any:
 def recipe_from_dict(raw: dict[str, Any], where: str = "the recipe") -> Recipe:
     """Build a Recipe from a nested dict (YAML content), rejecting unknown keys with the nearest valid one."""
     if not isinstance(raw, dict):
-        raise RecipeError(f"{where} must be a YAML mapping of sections (model:, training:, ...), not {type(raw).__name__}.")
+        raise RecipeError(f"{where} must be a YAML mapping of sections (model:, training:, ...), "
+                          f"not {type(raw).__name__}.")
     recipe = Recipe()
     for key, value in raw.items():
         if key in ("name", "description"):

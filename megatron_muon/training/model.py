@@ -24,7 +24,8 @@ def spec_backend(recipe: Recipe) -> str:
         return "te" if transformer_engine_available() else "local"
     if backend == "te" and not transformer_engine_available():
         raise RecipeError(
-            "model.spec_backend=te needs Transformer Engine; install `megatron-muon[te]` or set model.spec_backend=local."
+            "model.spec_backend=te needs Transformer Engine; install `megatron-muon[te]` "
+            "or set model.spec_backend=local."
         )
     return backend
 

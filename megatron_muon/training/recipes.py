@@ -38,7 +38,8 @@ def resolve_recipe_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
         if not path.is_file():
-            raise RecipeError(f"recipe file '{name_or_path}' does not exist; pass an existing YAML file or a recipe name.")
+            raise RecipeError(f"recipe file '{name_or_path}' does not exist; "
+                              "pass an existing YAML file or a recipe name.")
         return path
     recipes = available_recipes()
     if name_or_path in recipes:
@@ -54,11 +55,13 @@ def resolve_recipe_path(name_or_path: str) -> Path:
 def load_raw(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The recipe's YAML as a dict, with its `extends:` base merged underneath."""
     if path.resolve() in _chain:
-        raise RecipeError(f"recipe '{path}' extends itself through {' -> '.join(str(p) for p in _chain)}; break the cycle.")
+        chain = " -> ".join(str(p) for p in _chain)
+        raise RecipeError(f"recipe '{path}' extends itself through {chain}; break the cycle.")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
-        raise RecipeError(f"recipe '{path}' is not valid YAML ({str(error).splitlines()[0]}); fix the syntax.") from None
+        first_line = str(error).splitlines()[0]
+        raise RecipeError(f"recipe '{path}' is not valid YAML ({first_line}); fix the syntax.") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe '{path}' must be a YAML mapping of sections (model:, training:, ...).")
     base_name = raw.get("extends")

@@ -36,7 +36,8 @@ def format_step(record: dict[str, Any], train_iters: int) -> str:
     return (
         f"step {record['step']:>6}/{train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
         f"grad norm {_fmt(record.get('grad_norm'), '.3f')} | {record['tokens_per_s']:,.0f} tok/s | "
-        f"MFU {_fmt(record['mfu'], '.1f', 100, '%')} | all-SDPA-eq MFU {_fmt(record['mfu_all_sdpa'], '.1f', 100, '%')} | "
+        f"MFU {_fmt(record['mfu'], '.1f', 100, '%')} | "
+        f"all-SDPA-eq MFU {_fmt(record['mfu_all_sdpa'], '.1f', 100, '%')} | "
         f"opt step {record['optimizer_share'] * 100:.1f}% | mem {record['memory_gib']:.2f} GiB"
     )
 
