@@ -18,6 +18,7 @@ def flops(
     batch: int = 1,
     *,
     restarts: Sequence[int] | None = None,
+    coefficients="quintic",
     symmetric: bool = False,
 ) -> int:
     """FLOPs of `method` ('standard' | 'gram' | 'auto') on `batch` matrices of shape m×n.
@@ -25,15 +26,17 @@ def flops(
     Counts what the algorithm in newton_schulz.py executes, for the smaller side s and larger side l.
     symmetric=True counts symmetric products at half (what the lower-triangle Triton kernels do);
     the default counts full GEMMs, the usual basis for "effective" TFLOP/s.
+    restarts default to `orthogonalize`'s for `coefficients` (`default_restarts`).
     """
-    from megatron_muon.kernels.newton_schulz import DEFAULT_RESTARTS, choose_method
-
-    restarts = DEFAULT_RESTARTS if restarts is None else tuple(restarts)
+    from megatron_muon.kernels.coefficients import resolve_coefficients
+    from megatron_muon.kernels.newton_schulz import choose_method, default_restarts
 
     if method not in ("standard", "gram", "auto"):
         raise ValueError(f"unknown method {method!r}; valid: ('standard', 'gram', 'auto')")
     if min(m, n) < 0 or steps < 1 or batch < 0:
         raise ValueError(f"need m, n >= 0, steps >= 1, batch >= 0; got m={m}, n={n}, steps={steps}, batch={batch}")
+    if restarts is None:
+        restarts = default_restarts(resolve_coefficients(coefficients, steps))
     s, l = min(m, n), max(m, n)
     if method == "auto":
         method = choose_method(m, n)

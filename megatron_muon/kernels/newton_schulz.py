@@ -16,7 +16,7 @@ from megatron_muon.kernels.ops import select_ops
 METHODS = ("standard", "gram", "auto")
 
 # `auto` rule, measured on one H200 (benchmarks/results/orthogonalize_auto.md: bf16 input, 5 quintic steps, Triton
-# symmetric kernels, default restarts). Gram/standard time: short side 2048: 1.05x square, 0.96-1.03x at aspect
+# symmetric kernels, restarts (2, 4)). Gram/standard time: short side 2048: 1.05x square, 0.96-1.03x at aspect
 # 1.4-1.5, 0.85x at 2.75, 0.78x at 4; short side 1024 (too little m×m work to fill the GPU): 1.01-1.22x at 2.0,
 # 0.97x at 2.5, 0.82-0.94x at 2.75 (noisy ~1 ms calls). Square matrices are always faster with standard NS.
 GRAM_MIN_ASPECT = 1.5
@@ -31,13 +31,29 @@ GRAM_MIN_ASPECT_SMALL = 2.5
 STANDARD_DTYPE = torch.float16
 GRAM_DTYPE = torch.float16
 
-# Restart the Gram iteration before these iterations (0-based). Each R ← P·R·P update in fp16 amplifies the
-# relative error of small eigenvalues, so the error grows with the number of updates between restarts. On inputs
-# with singular values 1e-6..1 (tests/kernels), restarting before iteration 2 only leaves a 0.1-0.2 error in the
-# output singular values (0.8 with Polar Express); restarting before 2 and 4 brings it to 0.005-0.02, close to
-# standard NS, for ~25% more Gram FLOPs at aspect 4 (H200, reference set: 84.6 ms vs 77.5 ms with the single
-# restart; orthogonalize(..., restarts=(2,)) trades that accuracy for speed). No restart at all blows up.
-DEFAULT_RESTARTS = (2, 4)
+# Restart schedule. Each R ← P·R·P update in fp16 multiplies the rounding error of R's small eigenvalues by about
+# a² (the iteration's slope at zero), so the error grows with the updates between restarts, and errors in the last
+# iterations are not corrected by later ones. Measured on CPU (fp16 iteration; singular values 1e-6..1, rank-
+# deficient, spiked and Gaussian inputs; max |output singular values - fp64 iteration's|): a restart before every
+# second iteration from the 2nd, (2, 4, 6, ...), so that R is at most one update old when used, keeps 0.002-0.03 for
+# 3-8 steps with every coefficient set in the package and in megatron's table (the old fixed (2, 4) blew up at
+# 7-8 steps: 0.4 and 31). When the first two iterations amplify gently (a₀²·a₁² <= GENTLE_START_GAIN: Keller's
+# quintic, 141), the first R may be two updates old: at an odd step count that saves a restart, (3, 5, ...), at
+# 0.004-0.03 (5 steps: one restart instead of two, 17% fewer FLOPs on the reference set). Steeper starts blow up
+# that way (megatron's "quintic" 260, Polar Express 1100, CANS 1255); "aol" (192) reached 0.056. The last R must
+# stay at most one update old for every schedule (two: 0.06-0.08 on spiked inputs). No restart at all blows up.
+GENTLE_START_GAIN = 150.0
+
+
+def default_restarts(schedule: Sequence[Coefficient]) -> tuple[int, ...]:
+    """The measured restart schedule for this coefficient schedule (see GENTLE_START_GAIN)."""
+    steps = len(schedule)
+    gain = 1.0
+    for a, _, _ in schedule[:2]:
+        gain *= a * a
+    first = 3 if gain <= GENTLE_START_GAIN and steps % 2 == 1 and steps >= 5 else 2
+    return tuple(range(first, steps, 2))
+
 
 LONG_SIDE_ALIGNMENT = 64
 
@@ -55,7 +71,7 @@ def gram_newton_schulz(
     X: torch.Tensor,
     schedule: Sequence[Coefficient],
     ops,
-    restarts: Sequence[int] = DEFAULT_RESTARTS,
+    restarts: Sequence[int] | None = None,
     transpose_output: bool = False,
     observe_gram=None,
 ) -> torch.Tensor:
@@ -63,11 +79,13 @@ def gram_newton_schulz(
 
     Per iteration Z = b·R + c·R², P = a·I + Z, Q ← Q·P, R ← P·R·P (all symmetric and commuting, so every product
     is a `sym_mm`). Rounding lets small eigenvalues of R drift negative, and R·P(R)² amplifies them each step;
-    a restart (X ← Q·X, R ← X·Xᵀ) before the iterations in `restarts` resets that error to one rounding.
+    a restart (X ← Q·X, R ← X·Xᵀ) before the iterations in `restarts` (default: `default_restarts(schedule)`)
+    resets that error to one rounding.
     Returns Q·X [b, m, n], or (Q·X)ᵀ = Xᵀ·Q [b, n, m] directly when `transpose_output`.
     `observe_gram(R)` is called on every Gram iterate R (diagnostics: its eigenvalues must stay >= 0).
     """
     steps = len(schedule)
+    restarts = default_restarts(schedule) if restarts is None else tuple(restarts)
     R = ops.sym_mm(X, X)
     Q = None
     for i, (a, b, c) in enumerate(schedule):
@@ -151,7 +169,7 @@ def orthogonalize(
     method: str = "auto",
     eps: float = 1e-7,
     *,
-    restarts: Sequence[int] = DEFAULT_RESTARTS,
+    restarts: Sequence[int] | None = None,
     backend: str = "auto",
     compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
@@ -159,15 +177,16 @@ def orthogonalize(
     """Approximate the polar factor U·Vᵀ of G ([m, n] or [b, m, n]) with Newton–Schulz; same shape and dtype.
 
     method: 'standard', 'gram' (iterate on the smaller-side Gram matrix; restarts before the iterations listed in
-    `restarts`, default before the 3rd and 5th), or 'auto' (Gram when the aspect ratio makes it faster, see
+    `restarts`, default `default_restarts`: before the 4th for Keller's 5-step quintic, every second iteration from
+    the 3rd for steeper schedules), or 'auto' (Gram when the aspect ratio makes it faster, see
     `choose_method`). backend: 'auto' (Triton symmetric kernels on sm80/sm90 GPUs, torch elsewhere), 'torch' or
     'triton'. compute_dtype overrides the iteration dtype (fp16; fp32 for a near-exact iteration on CPU).
     out_dtype: the result dtype (default G's). A caller that only adds the result to parameters passes the
     iteration dtype (`work_dtype(G, method)`) and saves widening the whole batch: in-place adds upcast on the fly.
     """
-    restarts = tuple(restarts)
-    _check_inputs(G, method, eps, restarts)
     schedule = resolve_coefficients(coefficients, steps)
+    restarts = default_restarts(schedule) if restarts is None else tuple(restarts)
+    _check_inputs(G, method, eps, restarts)
     if G.numel() == 0:
         return torch.zeros_like(G, dtype=out_dtype or G.dtype)
     X = G if G.ndim == 3 else G.unsqueeze(0)

@@ -25,6 +25,14 @@ def test_gram_is_cheaper_at_large_aspect_and_auto_follows_the_rule():
     assert flops(9228, 2048, "auto") == flops(9228, 2048, "gram")
 
 
+def test_default_restarts_follow_the_coefficients():
+    s, big = 8, 32
+    sq, xq = 2 * s**3, 2 * s * s * big
+    # quintic, 5 steps, restart before 3: R; i0: Z+2; i1: Z+2+Q; i2: Z+Q; restart; i3: Z+2; i4: Z+Q; final Q·X
+    assert flops(s, big, "gram") == xq + 3 * sq + 4 * sq + 2 * sq + 2 * xq + 3 * sq + 2 * sq + xq
+    assert flops(s, big, "gram", coefficients="polar_express") == flops(s, big, "gram", restarts=(2, 4))
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="valid"):
         flops(4, 4, "svd")

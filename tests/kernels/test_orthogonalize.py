@@ -62,7 +62,10 @@ def test_batch_equals_per_matrix():
 def test_transpose_symmetry_and_steps():
     G = _fresh((80, 24), torch.float32, 2)
     for method in ["standard", "gram"]:
-        torch.testing.assert_close(orthogonalize(G, method=method), orthogonalize(G.T, method=method).T)
+        # Q·X against Xᵀ·Q: the torch backend's Q is symmetric only up to fp16 rounding
+        torch.testing.assert_close(
+            orthogonalize(G, method=method), orthogonalize(G.T, method=method).T, rtol=0, atol=2e-3
+        )
     for steps in [1, 3, 8]:
         ref = newton_schulz_reference(G, steps=steps, coefficients="polar_express")
         got = orthogonalize(G, steps=steps, coefficients="polar_express", method="gram", restarts=(2, 4, 6))

@@ -109,10 +109,15 @@ def test_fused_parameter_is_orthogonalized_per_part():
     torch.testing.assert_close(param.detach(), expected, rtol=1e-5, atol=1e-5)
 
 
+# The fp16 iteration's own error against fp64 on the zoo's 16×24 matrices: standard 0.25%, Gram (one restart)
+# 1.5%; the bf16 input rounding adds little, so the bound is about twice the iteration's noise.
+STACK_GAP = {"standard": 0.01, "gram": 0.03}
+
+
 @pytest.mark.parametrize("method", ["standard", "gram"])
 def test_bf16_stack_stays_close_to_fp32_stack(method):
     """Default path (bf16 NS input stack, fp16 iteration, fp16 result added in place) against an fp32 stack fed to
-    the same fp16 iteration: only the bf16 rounding of the input differs (< 1% of the update), over 5 steps."""
+    the same fp16 iteration: only the bf16 rounding of the input differs, over 5 steps."""
     initial = _layout_zoo()
     fast, exact = copy.deepcopy(initial), copy.deepcopy(initial)
     _copy_layout_attrs(fast, initial)
@@ -123,7 +128,7 @@ def test_bf16_stack_stays_close_to_fp32_stack(method):
     reference._stack_dtype = lambda grad_dtype: grad_dtype  # keep the stack in the gradient dtype (fp32)
     _run(reference, exact, 5)
     gap = _relative_gap(fast, exact, initial)
-    assert 0.0 < gap < 0.01, gap
+    assert 0.0 < gap < STACK_GAP[method], gap
 
 
 def test_expert_layouts_equal_separate_expert_matrices():
