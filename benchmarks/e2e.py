@@ -5,8 +5,8 @@
 
 Every rung rebuilds the model from the same seed and trains on the same mock batches, so the loss columns are
 comparable: AdamW rungs should agree within bf16 tolerance, and eager vs compiled on the same spec is printed as a
-correctness check. Timings are medians over the steps after `--warmup` (those include compilation), with the GPU
-synchronized around the forward/backward and the optimizer step. The rungs are listed in `e2e_rungs.py`.
+correctness check. Timings are medians over the steps after `--warmup` (those include compilation); steps run back
+to back as in megatron's loop, timed by CUDA events (`training/step_timer.py`). The rungs are listed in `e2e_rungs.py`.
 `--append` merges into an existing result (same recipe), so a long ladder can be measured in parts.
 """
 
@@ -77,7 +77,7 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
         module = build_model(recipe, config)
     if rung.compiled:
         module.forward = torch.compile(module.forward, mode=recipe.training.compile_mode)
-    model = wrap_model(module, config, recipe)
+    model = wrap_model(module, config, recipe, fast_main_grad_add=rung.main_grad_add)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     if rung.fused_adam:
         use_fused_torch_adam(optimizer)
@@ -86,40 +86,35 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
     return model, optimizer, config
 
 
-def train_steps(model, optimizer, batches, recipe, steps: int, first_step: int = 0):
-    """Yields (fwd+bwd seconds, optimizer seconds, loss) per step; the two add up to the step's wall time.
+def train_steps(
+    model, optimizer, batches, recipe, steps: int, first_step: int = 0
+) -> list[tuple[float, float, float]]:
+    """(fwd+bwd seconds, optimizer seconds, loss) per step; the two add up to the step's time.
 
-    Like megatron's training loop, nothing synchronizes between the backward and the optimizer step, so the CPU
-    queues the step while the GPU finishes the backward. On a GPU the split between the two comes from CUDA events
-    recorded on the stream; on CPU from the wall clock."""
+    Steps run back to back as in megatron's loop: nothing synchronizes between or inside them, so the CPU queues
+    the next step (batch upload, graph guards, launches) while the GPU finishes the current one. Times come from
+    CUDA events on the stream (`StepTimer`), losses are read after the last step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_muon.training.loop import _forward_step_func, _global_mean_loss
+    from megatron_muon.training.step_timer import StepTimer
 
     forward_backward = get_forward_backward_func()
-    on_gpu = torch.cuda.is_available()
+    timer = StepTimer(torch.cuda.is_available())
+    _sync()
+    step_losses = []
     for step in range(first_step, first_step + steps):
-        _sync()
-        t0 = time.perf_counter()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if on_gpu else []
-        if on_gpu:
-            events[0].record()
+        timer.start_step()
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(forward_step_func=_forward_step_func, data_iterator=batches.for_step(step),
-                                  model=[model], num_microbatches=batches.num_microbatches,
-                                  seq_length=recipe.model.seq_length,
-                                  micro_batch_size=recipe.training.micro_batch_size, forward_only=False)
-        if on_gpu:
-            events[1].record()
-        t1 = time.perf_counter()
+        step_losses.append(forward_backward(
+            forward_step_func=_forward_step_func, data_iterator=batches.for_step(step), model=[model],
+            num_microbatches=batches.num_microbatches, seq_length=recipe.model.seq_length,
+            micro_batch_size=recipe.training.micro_batch_size, forward_only=False))
+        timer.end_forward_backward()
         optimizer.step()
-        _sync()
-        step_s = time.perf_counter() - t0
-        # The GPU is idle at t0, so it reaches the first event at once: event to event is the forward+backward
-        # time, the rest of the step's wall time is the optimizer's.
-        fwd_bwd_s = min(step_s, events[0].elapsed_time(events[1]) / 1e3) if on_gpu else t1 - t0
-        yield fwd_bwd_s, step_s - fwd_bwd_s, _global_mean_loss(losses)
+    return [(step_s - optimizer_s, optimizer_s, _global_mean_loss(losses))
+            for (step_s, optimizer_s), losses in zip(timer.read(), step_losses, strict=True)]
 
 
 def compile_stats() -> dict:
@@ -147,7 +142,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
         train = recipe.training
         batches = MicroBatches(build_train_dataset(recipe, args.data_dir), train.micro_batch_size,
                                train.global_batch_size, 0, 1, ctx.device)
-        records = list(train_steps(model, optimizer, batches, recipe, args.steps))
+        records = train_steps(model, optimizer, batches, recipe, args.steps)
         timed = records[args.warmup:]
         step_s = statistics.median(f + o for f, o, _ in timed)
         tokens_per_step = train.global_batch_size * recipe.model.seq_length
@@ -166,8 +161,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
         if rung.compiled:
             row.update(compile_stats())
         if profile_path is not None:
-            write_profile(profile_path, rung, lambda: list(train_steps(model, optimizer, batches, recipe, 2,
-                                                                       args.steps)))
+            write_profile(profile_path, rung, lambda: train_steps(model, optimizer, batches, recipe, 2, args.steps))
     except Exception as error:  # one failing rung (OOM, a missing kernel) must not hide the others
         row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
         traceback.print_exc()

@@ -62,7 +62,12 @@ class MicroBatches:
             first = step * self.global_batch_size + micro * self.micro_batch_size * self.dp_size
             first += self.dp_rank * self.micro_batch_size
             samples = [self.dataset[first + i] for i in range(self.micro_batch_size)]
-            yield {
-                key: torch.stack([s[key] for s in samples]).to(self.device, non_blocking=True)
-                for key in ("tokens", "labels", "loss_mask", "position_ids")
-            }
+            yield {key: self._upload(torch.stack([s[key] for s in samples]))
+                   for key in ("tokens", "labels", "loss_mask", "position_ids")}
+
+    def _upload(self, batch: torch.Tensor) -> torch.Tensor:
+        """To the device without waiting for it: a copy from pageable memory would hold the CPU until the GPU
+        reached it, so the next step's launches could not overlap the current step."""
+        if self.device.type == "cuda":
+            batch = batch.pin_memory()
+        return batch.to(self.device, non_blocking=True)

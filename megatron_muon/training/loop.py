@@ -17,6 +17,7 @@ from megatron_muon.training.data import MicroBatches, build_train_dataset
 from megatron_muon.training.distributed import RunContext
 from megatron_muon.training.model import DTYPES, build_model, count_parameters, transformer_config, wrap_model
 from megatron_muon.training.report import JsonlLog, format_step, plot_run, read_jsonl
+from megatron_muon.training.step_timer import StepTimer
 from megatron_muon.training.validation import data_parallel_size, model_shape
 
 LOG_FILE = "train_log.jsonl"
@@ -116,11 +117,6 @@ def _memory_gib() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 class _NoBar:
     def update(self, n: int) -> None:
         pass
@@ -209,10 +205,11 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
         })
     bar = _progress_bar(ctx.is_main and recipe.logging.progress_bar, train.train_iters, start_step)
     forward_backward = get_forward_backward_func()
+    timer = StepTimer(on_gpu)
     window, first_loss, last_loss, run_start = _Window(), None, None, time.perf_counter()
+    unread_losses: list[list[dict]] = []  # per step, read (one sync) when the window is logged or saved
     for step in range(start_step, train.train_iters):
-        _sync()
-        t0 = time.perf_counter()
+        timer.start_step()
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(
@@ -224,20 +221,24 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             micro_batch_size=train.micro_batch_size,
             forward_only=False,
         )
-        _sync()
-        t1 = time.perf_counter()
+        timer.end_forward_backward()
         update_ok, grad_norm, _ = optimizer.step()
         if update_ok:
             scheduler.step(increment=1)  # schedule counted in iterations
-        _sync()
-        t2 = time.perf_counter()
-        loss = _global_mean_loss(losses)
-        first_loss = loss if first_loss is None else first_loss
-        last_loss = loss
-        window.add(t2 - t0, t2 - t1, loss)
+        unread_losses.append(losses)
         bar.update(1)
         done = step + 1
-        if done % recipe.logging.log_interval == 0 or done == train.train_iters:
+        log_now = done % recipe.logging.log_interval == 0 or done == train.train_iters
+        save_now = bool(recipe.checkpoint.save and recipe.checkpoint.save_interval
+                        and done % recipe.checkpoint.save_interval == 0)
+        if log_now or save_now:  # a save is not timed as part of the next step
+            for (step_s, optimizer_s), step_losses in zip(timer.read(), unread_losses, strict=True):
+                loss = _global_mean_loss(step_losses)
+                first_loss = loss if first_loss is None else first_loss
+                last_loss = loss
+                window.add(step_s, optimizer_s, loss)
+            unread_losses = []
+        if log_now:
             tokens_per_s = window.steps * tokens_per_step / window.seconds
             record = {
                 "event": "step", "step": done, "loss": sum(window.losses) / len(window.losses),
@@ -250,7 +251,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
                 log.write(record)
                 bar.write(format_step(record, train.train_iters))
             window = _Window()
-        if recipe.checkpoint.save and recipe.checkpoint.save_interval and done % recipe.checkpoint.save_interval == 0:
+        if save_now:
             save_checkpoint(recipe.checkpoint.save, done, model, optimizer, scheduler,
                             recipe.parallel.use_distributed_optimizer)
     bar.close()
