@@ -118,8 +118,10 @@ def build_model(recipe: Recipe, config):
     )
 
 
-def wrap_model(module, config, recipe: Recipe):
-    """Float16Module for bf16/fp16, then megatron DDP with fp32 grad reduction: the pretrain_gpt.py wrapping."""
+def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True):
+    """Float16Module for bf16/fp16, then megatron DDP with fp32 grad reduction: the pretrain_gpt.py wrapping.
+    fast_main_grad_add: accumulate gradients into DDP's fp32 buffers in one vectorized pass
+    (`megatron.main_grad_add`) instead of megatron's mixed-dtype `add_`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -139,6 +141,10 @@ def wrap_model(module, config, recipe: Recipe):
     )
     model = DistributedDataParallel(config, ddp_config, module)
     model.broadcast_params()
+    if fast_main_grad_add:
+        from megatron_muon.megatron.main_grad_add import install_main_grad_add
+
+        install_main_grad_add(model)
     return model
 
 

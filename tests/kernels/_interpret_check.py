@@ -1,5 +1,5 @@
-"""Run under TRITON_INTERPRET=1 in a subprocess: the Triton kernels (symmetric products, the NS input pass) on CPU
-against the torch backend."""
+"""Run under TRITON_INTERPRET=1 in a subprocess: the Triton kernels (symmetric products, the NS input pass, the
+main_grad accumulation) on CPU against torch."""
 
 import torch
 import triton.runtime.interpreter as interpreter
@@ -20,6 +20,7 @@ from megatron_muon.kernels import orthogonalize  # noqa: E402
 from megatron_muon.kernels.ops import TorchOps  # noqa: E402
 from megatron_muon.kernels.scaled_copy import scaled_copy  # noqa: E402
 from megatron_muon.kernels.symmetric import symmetric_matmul  # noqa: E402
+from megatron_muon.megatron.main_grad_add import _triton_add  # noqa: E402
 
 
 def main():
@@ -44,6 +45,13 @@ def main():
     for method in ("standard", "gram"):
         fast = orthogonalize(G, method=method, backend="triton")
         torch.testing.assert_close(fast, orthogonalize(G, method=method, backend="torch"), rtol=0, atol=2e-2)
+    # megatron's main_grad accumulation: fp32 += bf16/fp16 over a partial last block, bit-equal to torch's add
+    add = _triton_add()
+    for numel, dtype in [(5000, torch.bfloat16), (4096, torch.float16)]:
+        main, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g).to(dtype)
+        expected = main + grad.float()
+        add[(-(-numel // 4096),)](main, grad, numel, BLOCK=4096)
+        assert torch.equal(main, expected)
     print("interpreter ok")
 
 
