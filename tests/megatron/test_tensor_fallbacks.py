@@ -4,7 +4,12 @@ import pytest
 import torch
 from megatron.core import utils
 
-from megatron_muon.megatron.tensor_fallbacks import foreach_l2_norm, foreach_scale, install_foreach_fallbacks
+from megatron_muon.megatron.tensor_fallbacks import (
+    foreach_l2_norm,
+    foreach_scale,
+    foreach_scale_tensor,
+    install_foreach_fallbacks,
+)
 
 
 def _tensors(dtype=torch.float32):
@@ -44,5 +49,47 @@ def test_install_replaces_only_megatrons_local_fallbacks():
     assert install_foreach_fallbacks() == []  # idempotent: nothing left to replace
     if clip_grads.multi_tensor_applier is utils.local_multi_tensor_applier:  # no TE/Apex here
         assert clip_grads.l2_norm_impl is foreach_l2_norm and clip_grads.multi_tensor_scale_impl is foreach_scale
+        assert clip_grads.multi_tensor_scale_tensor_impl is foreach_scale_tensor
     else:  # TE or Apex kernels stay
         assert clip_grads.l2_norm_impl is not foreach_l2_norm
+
+
+def test_tensor_scale_matches_the_float_scale():
+    sources = _tensors()
+    ours, expected = [s.clone() for s in sources], [s.clone() for s in sources]
+    flag = torch.zeros(1, dtype=torch.int)
+    foreach_scale(2048, flag, [expected, expected], 0.37)
+    foreach_scale_tensor(2048, flag, [ours, ours], torch.tensor([0.37]))
+    for got, want in zip(ours, expected):
+        assert torch.equal(got, want)
+
+
+def _clip_through_megatron(rank, world_size, max_norm):
+    """megatron's own grad-norm and clipping functions, after install: the norm stays a tensor (no host read)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+
+    from megatron_muon.testing.parallel import init_model_parallel
+
+    init_model_parallel(1, 1)
+    install_foreach_fallbacks()
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in _tensors()]
+    for param, grad in zip(params, _tensors()):
+        param.grad = grad
+    norm = get_grad_norm_fp32([p.grad for p in params], grad_stats_parallel_group=torch.distributed.group.WORLD)
+    clip_grad_by_total_norm_fp32(params, max_norm, norm)
+    return {"norm": norm, "grads": [p.grad for p in params]}
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e6])
+def test_megatron_clipping_stays_on_the_device_and_clips_as_before(rank_pool_1, max_norm):
+    import megatron.core.optimizer.clip_grads as clip_grads
+
+    result = rank_pool_1.run(_clip_through_megatron, max_norm)[0]
+    grads = _tensors()
+    norm = torch.cat([g.double().flatten() for g in grads]).norm()
+    if clip_grads.multi_tensor_applier is utils.local_multi_tensor_applier:  # no TE/Apex: ours is in charge
+        assert isinstance(result["norm"], torch.Tensor)
+    torch.testing.assert_close(torch.as_tensor(result["norm"]).double().reshape(()), norm, rtol=1e-6, atol=0)
+    factor = min(1.0, max_norm / (norm.item() + 1e-6))
+    for got, grad in zip(result["grads"], grads):
+        torch.testing.assert_close(got, grad * factor, rtol=1e-6, atol=1e-7)
