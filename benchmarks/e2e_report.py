@@ -53,8 +53,9 @@ def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None
         f"- recipe `{meta['recipe']}` {' '.join(meta['overrides'])}; {meta['steps']} steps per rung, "
         f"timing = median of the steps after the first {meta['warmup']}",
         *(f"- command: `{command}`" for command in meta.get("commands") or [meta["command"]]),
-        "- a step is timed as megatron's loop runs it, with no synchronize between the backward and the optimizer "
-        "step (rows measured before 414e2fd synchronized there, which added the optimizer's CPU prologue, ~2-3 ms)",
+        "- steps run back to back as in megatron's loop and are timed by CUDA events on the stream; rows measured "
+        "before 21b5f9b synchronized at every step boundary, which exposed the next step's CPU prologue (batch "
+        "upload, graph guards), and rows before 414e2fd also between the backward and the optimizer step",
         "",
         "| rung | what | ms/step | fwd+bwd ms | optimizer ms | opt share | tokens/s | MFU | all-SDPA MFU "
         f"| speed-up vs rung {base_key or '1'} | breaks | graphs | recompiles | peak GiB | final loss | measured |",
