@@ -39,9 +39,10 @@ GRAM_DTYPE = torch.float16
 # 3-8 steps with every coefficient set in the package and in megatron's table (the old fixed (2, 4) blew up at
 # 7-8 steps: 0.4 and 31). When the first two iterations amplify gently (a₀²·a₁² <= GENTLE_START_GAIN: Keller's
 # quintic, 141), the first R may be two updates old: at an odd step count that saves a restart, (3, 5, ...), at
-# 0.004-0.03 (5 steps: one restart instead of two, 17% fewer FLOPs on the reference set). Steeper starts blow up
-# that way (megatron's "quintic" 260, Polar Express 1100, CANS 1255); "aol" (192) reached 0.056. The last R must
-# stay at most one update old for every schedule (two: 0.06-0.08 on spiked inputs). No restart at all blows up.
+# 0.004-0.03. On the H200's reference set (5 steps, benchmarks/results/orthogonalize_restarts.md) that is 60.5 ms
+# against 69.4 with (2, 4), at the same 0.0022-0.0024 relative error against the fp64 iteration. Steeper starts
+# blow up that way (megatron's "quintic" 260, Polar Express 1100, CANS 1255); "aol" (192) reached 0.056. The last
+# R must stay at most one update old for every schedule (two: 0.06-0.08 on spiked inputs). No restart blows up.
 GENTLE_START_GAIN = 150.0
 
 

@@ -86,7 +86,8 @@ def _spiked(m, n, seed):
 
 
 # Our sets and megatron's `muon_coefficient_type` table (megatron's "quintic" is a different, steeper schedule).
-SCHEDULES = [("ours", "quintic"), ("ours", "polar_express")] + [("megatron", n) for n in sorted(MEGATRON_COEFFICIENT_SETS)]
+SCHEDULES = [("ours", "quintic"), ("ours", "polar_express")]
+SCHEDULES += [("megatron", name) for name in sorted(MEGATRON_COEFFICIENT_SETS)]
 
 
 def _schedule(source, name, steps):
