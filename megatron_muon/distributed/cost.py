@@ -24,11 +24,12 @@ class CostModel(Protocol):
     def matrix_cost(self, shape: Shape) -> float: ...
 
 
-def newton_schulz_flops(shape: Shape, steps: int = 5, method: str = "auto") -> float:
-    """FLOPs the orthogonalize engine spends on one matrix (megatron_muon.kernels.flops, same method rule)."""
+def newton_schulz_flops(shape: Shape, steps: int = 5, method: str = "auto", coefficients="quintic") -> float:
+    """FLOPs the orthogonalize engine spends on one matrix (megatron_muon.kernels.flops: the same method rule and
+    the coefficient schedule's restarts)."""
     from megatron_muon.kernels.flops import flops
 
-    return float(flops(shape[0], shape[1], method, steps))
+    return float(flops(shape[0], shape[1], method, steps, coefficients=coefficients))
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,14 @@ class AnalyticCost:
     launch_s: float = 50e-6
     steps: int = 5
     method: str = "auto"
-    flops_fn: Callable[[Shape, int, str], float] = newton_schulz_flops
+    coefficients: str | tuple = "quintic"  # a name or a tuple of (a, b, c): it sets the Gram restarts
+    flops_fn: Callable[..., float] = newton_schulz_flops
 
     def launch_cost(self, shape: Shape) -> float:
         return self.launch_s
 
     def matrix_cost(self, shape: Shape) -> float:
-        return self.flops_fn(shape, self.steps, self.method) / self.flops_per_s
+        return self.flops_fn(shape, self.steps, self.method, self.coefficients) / self.flops_per_s
 
 
 @dataclass(frozen=True)

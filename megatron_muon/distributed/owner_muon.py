@@ -36,6 +36,7 @@ from megatron_muon.distributed.plan import (
     rank_loads,
 )
 from megatron_muon.distributed.profile import profiled_cost
+from megatron_muon.kernels.coefficients import resolve_coefficients
 from megatron_muon.kernels.newton_schulz import work_dtype
 from megatron_muon.optimizer import fused_elementwise, muon_math
 from megatron_muon.optimizer.muon import Muon, _freeze
@@ -78,7 +79,7 @@ class OwnerMuon(Muon):
         self.grid = StageGrid(tp_group, dp_group)
         if isinstance(cost_model, str) and cost_model != "profile":
             raise ValueError(f"cost_model must be a CostModel, 'profile' or None, got {cost_model!r}")
-        self.cost_model = cost_model or AnalyticCost()
+        self.cost_model = cost_model  # None: FLOPs of the group's Newton–Schulz settings (`_analytic_cost`)
         self.plan_method, self.plan_time_limit_s = plan_method, plan_time_limit_s
         self.owner_momentum: dict[int, torch.Tensor] = {}  # unit index -> full momentum, on its owner only
         self.orthogonalized_matrices = 0  # matrices this rank has run Newton–Schulz on (tests count these)
@@ -141,11 +142,10 @@ class OwnerMuon(Muon):
                 "ranks of this pipeline stage disagree on the matrices Muon manages (names/shapes/order differ); "
                 "build the model and the optimizer identically on every TP and DP rank"
             )
-        cost = self.cost_model
+        cost, group = self.cost_model or self._analytic_cost(), self.param_groups[0]
         if cost == "profile":  # only the first slot measures; every rank adopts its plan below
-            cost = AnalyticCost()
+            cost = self._analytic_cost()
             if self.grid.slot == 0:
-                group = self.param_groups[0]
                 cost = profiled_cost({spec.shape for spec in specs}, device=params[0].device,
                                      ns_steps=group["ns_steps"], coefficients=group["coefficients"],
                                      method=group["method"], compute_dtype=self.compute_dtype)
@@ -279,6 +279,12 @@ class OwnerMuon(Muon):
                     rounds.append([])
                 rounds[k].extend(members)
         return [sorted(members) for members in rounds]
+
+    def _analytic_cost(self) -> AnalyticCost:
+        """FLOP cost of this optimizer's Newton–Schulz: its steps, method and schedule (which sets the restarts)."""
+        group = self.param_groups[0]
+        schedule = tuple(map(tuple, resolve_coefficients(group["coefficients"], group["ns_steps"])))
+        return AnalyticCost(steps=group["ns_steps"], method=group["method"], coefficients=schedule)
 
     def _orthogonalize_owned(self, updates: dict[int, torch.Tensor], group_of_unit: list[int],
                              param_dtypes: list[torch.dtype]) -> dict:

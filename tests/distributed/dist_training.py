@@ -128,7 +128,7 @@ def train_pair(rank, world_size, tp: int, pp: int, precision: str, model: str, s
 
             def step_and_record_norm():
                 outcome = step_()
-                norms.append(outcome[1])
+                norms.append(float(outcome[1]))  # a device tensor, as with Transformer Engine
                 return outcome
 
             optimizer.step = step_and_record_norm

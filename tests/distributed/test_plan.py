@@ -152,3 +152,13 @@ def test_empty_and_single_rank():
     assert plan_owners([]).owners == ()
     plan = plan_owners(reference_model(4, 1), COST)
     assert set(plan.owners) == {0} and plan.makespan == pytest.approx(plan.lower_bound)
+
+
+def test_analytic_cost_follows_the_coefficient_schedule():
+    """Gram shapes cost what their schedule's restarts cost (Keller's quintic: one restart; megatron's: two)."""
+    from megatron_muon.megatron.muon_config import megatron_coefficient_schedule
+
+    steep = tuple(megatron_coefficient_schedule("quintic", 5))
+    gentle, megatron = AnalyticCost(), AnalyticCost(coefficients=steep)
+    assert gentle.matrix_cost((2048, 9228)) < 0.9 * megatron.matrix_cost((2048, 9228))
+    assert gentle.matrix_cost((2048, 2048)) == megatron.matrix_cost((2048, 2048))  # standard NS: no restarts
