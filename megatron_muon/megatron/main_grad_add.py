@@ -57,11 +57,18 @@ def _accumulate_into_main_grad(param: torch.Tensor) -> None:
     param.grad_added_to_main_grad = True
 
 
+_HOOKED = "_megatron_muon_main_grad_add"
+
+
 def install_main_grad_add(ddp_model) -> int:
-    """Hook every parameter megatron's DDP accumulates into a `main_grad`; returns how many were hooked."""
+    """Hook every parameter megatron's DDP accumulates into a `main_grad`; returns how many were newly hooked
+    (a second call hooks nothing: two hooks would add every gradient twice)."""
     hooked = 0
     for param in getattr(ddp_model, "params_with_grad", []):
+        if getattr(param, _HOOKED, False):
+            continue
         if param in ddp_model.param_to_bucket_group and getattr(param, "main_grad", None) is not None:
             param.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+            setattr(param, _HOOKED, True)
             hooked += 1
     return hooked

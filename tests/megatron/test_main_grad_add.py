@@ -25,6 +25,7 @@ def _main_grads(rank, world_size, hooked: bool, overlap: bool):
     if hooked:
         count = main_grad_add.install_main_grad_add(model)
         assert count == len(list(model.parameters())) > 0
+        assert main_grad_add.install_main_grad_add(model) == 0  # idempotent: a second hook would add twice
         original = main_grad_add.accumulate
         main_grad_add.accumulate = lambda main_grad, grad: (calls.append(grad.shape), original(main_grad, grad))
     try:
