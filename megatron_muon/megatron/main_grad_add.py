@@ -11,12 +11,15 @@ its add and still drops `param.grad` and signals the bucket; `zero_grad_buffer()
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _BLOCK = 4096
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
+@functools.cache
 def _triton_add():
     import triton
     import triton.language as tl
@@ -31,12 +34,8 @@ def _triton_add():
     return add_kernel
 
 
-_kernel = None
-
-
 def accumulate(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
     """main_grad += grad; one vectorized Triton pass for contiguous fp32 += bf16/fp16 on a GPU, torch elsewhere."""
-    global _kernel
     fast = (
         main_grad.is_cuda and main_grad.dtype == torch.float32 and grad.dtype in _HALF_DTYPES
         and main_grad.shape == grad.shape and main_grad.is_contiguous() and grad.is_contiguous()
@@ -44,10 +43,8 @@ def accumulate(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
     if not fast:
         main_grad.add_(grad)
         return
-    if _kernel is None:
-        _kernel = _triton_add()
     numel = main_grad.numel()
-    _kernel[(-(-numel // _BLOCK),)](main_grad, grad, numel, BLOCK=_BLOCK, num_warps=8)
+    _triton_add()[(-(-numel // _BLOCK),)](main_grad, grad, numel, BLOCK=_BLOCK, num_warps=8)
 
 
 def _accumulate_into_main_grad(param: torch.Tensor) -> None:
