@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_muon.megatron import clip_scale
+
 _PATCHED_MODULES = ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer")
 
 
@@ -49,7 +51,8 @@ def foreach_scale_tensor(chunk_size, noop_flag, tensor_lists, scale: torch.Tenso
         return
     scale = scale.reshape(())
     if all(s is d for s, d in zip(sources, targets)):
-        torch._foreach_mul_(targets, scale)
+        if not clip_scale.scale_in_place(targets, scale):  # one launch, nothing moved when the factor is 1
+            torch._foreach_mul_(targets, scale)
     else:
         torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
 

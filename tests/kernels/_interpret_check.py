@@ -1,5 +1,5 @@
 """Run under TRITON_INTERPRET=1 in a subprocess: the Triton kernels (symmetric products, the NS input pass, the
-main_grad accumulation) on CPU against torch."""
+main_grad accumulation, the clipping scale) on CPU against torch."""
 
 import torch
 import triton.runtime.interpreter as interpreter
@@ -20,6 +20,7 @@ from megatron_muon.kernels import orthogonalize  # noqa: E402
 from megatron_muon.kernels.ops import TorchOps  # noqa: E402
 from megatron_muon.kernels.scaled_copy import scaled_copy  # noqa: E402
 from megatron_muon.kernels.symmetric import symmetric_matmul  # noqa: E402
+from megatron_muon.megatron.clip_scale import BLOCK, scale_in_place  # noqa: E402
 from megatron_muon.megatron.main_grad_add import _triton_add  # noqa: E402
 
 
@@ -52,6 +53,19 @@ def main():
         expected = main + grad.float()
         add[(-(-numel // 4096),)](main, grad, numel, BLOCK=4096)
         assert torch.equal(main, expected)
+    # gradient clipping's scale: views of two buffers (gaps between views untouched), bit-equal to torch's multiply
+    for factor in (0.37, 1.0, float("nan")):
+        buffers = [torch.randn(3 * BLOCK + 100, generator=g), torch.randn(700, generator=g)]
+        views = [buffers[0][5 : BLOCK + 9], buffers[0][BLOCK + 20 :], buffers[1][:300], buffers[1][310:]]
+        expected = [b.clone() for b in buffers]
+        torch._foreach_mul_([expected[0][5 : BLOCK + 9], expected[0][BLOCK + 20 :], expected[1][:300],
+                             expected[1][310:]], torch.tensor(factor))
+        assert scale_in_place(views, torch.tensor([factor]))
+        for got, want in zip(buffers, expected):
+            assert torch.equal(got, want) or (got.isnan() == want.isnan()).all() and torch.equal(
+                got.nan_to_num(), want.nan_to_num()), factor
+    assert not scale_in_place([torch.randn(4, 6, generator=g).mT], torch.tensor([0.5]))  # not contiguous
+    assert not scale_in_place([torch.randn(8, generator=g).half()], torch.tensor([0.5]))  # not fp32
     print("interpreter ok")
 
 

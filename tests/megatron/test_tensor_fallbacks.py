@@ -93,3 +93,19 @@ def test_megatron_clipping_stays_on_the_device_and_clips_as_before(rank_pool_1, 
     factor = min(1.0, max_norm / (norm.item() + 1e-6))
     for got, grad in zip(result["grads"], grads):
         torch.testing.assert_close(got, grad * factor, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("factor", [0.37, 1.0])
+def test_clip_scale_on_the_gpu_equals_torchs_multiply(factor):
+    """Views of one grad buffer (as megatron's DDP lays them out, with gaps) and a separate tensor."""
+    buffer = torch.randn(3_000_011, device="cuda")
+    other = torch.randn(5000, device="cuda")
+    spans = [(0, 1_000_000), (1_000_003, 2_999_000), (2_999_100, 3_000_011)]
+    expected = buffer.clone(), other.clone()
+    torch._foreach_mul_([expected[0][a:b] for a, b in spans] + [expected[1]], torch.tensor(factor, device="cuda"))
+    flag = torch.zeros(1, dtype=torch.int, device="cuda")
+    views = [buffer[a:b] for a, b in spans] + [other]
+    foreach_scale_tensor(2048, flag, [views, views], torch.tensor([factor], device="cuda"))
+    assert torch.equal(buffer, expected[0]) and torch.equal(other, expected[1])

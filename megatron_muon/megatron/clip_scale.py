@@ -1,0 +1,103 @@
+"""Gradient clipping's in-place scale in one Triton launch that skips the work when nothing is clipped.
+
+Megatron clips by multiplying every gradient by min(1, max_norm / norm), kept on the device (`tensor_fallbacks`,
+as Transformer Engine does). Most steps of a healthy run are not clipped and x·1 = x exactly, yet the multiply reads
+and writes every fp32 gradient: 4.4 ms/step for the hybrid-1.5B on the H200 (benchmarks/results/
+e2e_profile_rung4.md, the `TensorList` multi-tensor kernel). This kernel reads the factor on the device and does
+nothing when it is 1; otherwise it computes the same fp32 product as `torch._foreach_mul_` (bit-identical).
+
+The gradients are views into megatron's contiguous grad buffers, so one launch per buffer walks them: blocks are
+addressed by element offsets from the lowest gradient in that buffer (a small table, built once per layout and
+cached on the device).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from megatron_muon.optimizer.fused_elementwise import supported
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # `scale_in_place` declines and the caller keeps torch's foreach multiply
+    triton = None
+
+BLOCK = 4096
+_PROGRAMS_PER_SM = 4
+_TABLE_CACHE_SIZE = 16
+_block_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+
+def _block_table(tensors: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
+    """[2, blocks] int64 on the device: each block's first element and its tensor's end, as offsets from `base`."""
+    size = base.element_size()
+    offsets = [(t.data_ptr() - base.data_ptr()) // size for t in tensors]
+    key = (base.device, tuple(offsets), tuple(t.numel() for t in tensors))
+    table = _block_tables.get(key)
+    if table is None:
+        starts = torch.cat([torch.arange(o, o + t.numel(), BLOCK, dtype=torch.int64) for o, t in zip(offsets, tensors)])
+        ends = torch.cat([torch.full((-(-t.numel() // BLOCK),), o + t.numel(), dtype=torch.int64)
+                          for o, t in zip(offsets, tensors)])
+        table = torch.stack([starts, ends]).to(base.device)
+        _block_tables[key] = table
+        if len(_block_tables) > _TABLE_CACHE_SIZE:
+            _block_tables.popitem(last=False)
+    else:
+        _block_tables.move_to_end(key)
+    return table
+
+
+def _programs(device: torch.device, blocks: int) -> int:
+    if device.type != "cuda":
+        return min(blocks, 4)
+    return min(blocks, _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> bool:
+    """tensors *= factor (a one-element fp32 tensor on their device), skipped on the device when factor is 1.
+
+    Returns False without touching anything when the call does not qualify (no Triton, not contiguous fp32
+    tensors on a supported device, another factor dtype or device); the caller then multiplies with torch.
+    """
+    if not tensors:
+        return True
+    device = tensors[0].device
+    qualifies = (
+        triton is not None
+        and supported(device)
+        and factor.numel() == 1
+        and factor.dtype == torch.float32
+        and factor.device == device
+        and all(t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors)
+    )
+    if not qualifies:
+        return False
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    factor = factor.reshape(1)
+    for group in by_storage.values():
+        base = min(group, key=torch.Tensor.data_ptr)
+        table = _block_table(group, base)
+        blocks = table.size(1)
+        _scale_blocks_kernel[(_programs(device, blocks),)](base, factor, table[0], table[1], blocks, BLOCK=BLOCK)
+    return True
+
+
+if triton is not None:
+
+    @triton.jit
+    def _scale_blocks_kernel(Base, Factor, Starts, Ends, blocks, BLOCK: tl.constexpr):
+        factor = tl.load(Factor)
+        if factor != 1.0:  # every program reads the factor first: an unclipped step moves no gradient bytes
+            for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
+                start = tl.load(Starts + block)
+                end = tl.load(Ends + block)
+                index = start + tl.arange(0, BLOCK).to(tl.int64)
+                inside = index < end
+                values = tl.load(Base + index, mask=inside)
+                tl.store(Base + index, values * factor, mask=inside)
