@@ -26,7 +26,7 @@ except ImportError:  # `scale_in_place` declines and the caller keeps torch's fo
     triton = None
 
 BLOCK = 4096
-_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = 64  # measured: 3.04 ms for 1.48B fp32 against 3.48 at 4 per SM (torch: 3.34)
 _TABLE_CACHE_SIZE = 16
 _block_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
