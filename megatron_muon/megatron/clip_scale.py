@@ -31,13 +31,17 @@ _TABLE_CACHE_SIZE = 16
 _block_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 
-def _block_table(tensors: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
-    """[2, blocks] int64 on the device: each block's first element and its tensor's end, as offsets from `base`."""
+def _block_table(tensors: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor | None:
+    """[2, blocks] int64 on the device: each block's first element and its tensor's end, as offsets from `base`;
+    None when two tensors overlap (concurrent programs would scale the shared elements in a race)."""
     size = base.element_size()
     offsets = [(t.data_ptr() - base.data_ptr()) // size for t in tensors]
     key = (base.device, tuple(offsets), tuple(t.numel() for t in tensors))
     table = _block_tables.get(key)
     if table is None:
+        spans = sorted(zip(offsets, (t.numel() for t in tensors)))
+        if any(start + numel > next_start for (start, numel), (next_start, _) in zip(spans, spans[1:])):
+            return None
         starts = torch.cat([torch.arange(o, o + t.numel(), BLOCK, dtype=torch.int64) for o, t in zip(offsets, tensors)])
         ends = torch.cat([torch.full((-(-t.numel() // BLOCK),), o + t.numel(), dtype=torch.int64)
                           for o, t in zip(offsets, tensors)])
@@ -60,7 +64,8 @@ def scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> bool:
     """tensors *= factor (a one-element fp32 tensor on their device), skipped on the device when factor is 1.
 
     Returns False without touching anything when the call does not qualify (no Triton, not contiguous fp32
-    tensors on a supported device, another factor dtype or device); the caller then multiplies with torch.
+    tensors on a supported device, overlapping tensors, another factor dtype or device); the caller then
+    multiplies with torch.
     """
     if not tensors:
         return True
@@ -79,10 +84,12 @@ def scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> bool:
     for t in tensors:
         if t.numel():
             by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    groups = [(min(group, key=torch.Tensor.data_ptr), group) for group in by_storage.values()]
+    tables = [_block_table(group, base) for base, group in groups]
+    if any(table is None for table in tables):
+        return False
     factor = factor.reshape(1)
-    for group in by_storage.values():
-        base = min(group, key=torch.Tensor.data_ptr)
-        table = _block_table(group, base)
+    for (base, _), table in zip(groups, tables):
         blocks = table.size(1)
         _scale_blocks_kernel[(_programs(device, blocks),)](base, factor, table[0], table[1], blocks, BLOCK=BLOCK)
     return True

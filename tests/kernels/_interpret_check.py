@@ -66,6 +66,10 @@ def main():
                 got.nan_to_num(), want.nan_to_num()), factor
     assert not scale_in_place([torch.randn(4, 6, generator=g).mT], torch.tensor([0.5]))  # not contiguous
     assert not scale_in_place([torch.randn(8, generator=g).half()], torch.tensor([0.5]))  # not fp32
+    shared = torch.randn(100, generator=g)
+    before = shared.clone()
+    assert not scale_in_place([shared[:60], shared[50:]], torch.tensor([0.5]))  # overlapping views
+    assert torch.equal(shared, before)  # declined before touching anything
     print("interpreter ok")
 
 
