@@ -13,7 +13,7 @@ not qualify (other geometry, strides or dtypes, not consecutive, no Triton); cal
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import functools
 
 import torch
 
@@ -21,26 +21,22 @@ from megatron_muon.optimizer import fused_elementwise as single
 
 _TABLE_CACHE_SIZE = 256
 _MAX_PIECES = 65535  # CUDA's limit on the grid's third axis, which walks the pieces
-_offset_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+
+@functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)
+def _device_table(device: torch.device, values: tuple[int, ...]) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`, built once per distinct tuple (the key is the values themselves,
+    so a hit is always right)."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _offset_table(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """Element offsets of each tensor from the first, as an int64 device tensor (cached: the key is the offsets
-    themselves, so a hit is always right); None when an offset is not a whole number of elements."""
+    """Element offsets of each tensor from the first, as an int64 device tensor (cached); None when an offset is
+    not a whole number of elements."""
     base, size = tensors[0].data_ptr(), tensors[0].element_size()
-    deltas = tuple((t.data_ptr() - base) // size for t in tensors)
     if any((t.data_ptr() - base) % size for t in tensors):
         return None
-    key = (tensors[0].device, deltas)
-    table = _offset_tables.get(key)
-    if table is None:
-        table = torch.tensor(deltas, dtype=torch.int64, device=tensors[0].device)
-        _offset_tables[key] = table
-        if len(_offset_tables) > _TABLE_CACHE_SIZE:
-            _offset_tables.popitem(last=False)
-    else:
-        _offset_tables.move_to_end(key)
-    return table
+    return _device_table(tensors[0].device, tuple((t.data_ptr() - base) // size for t in tensors))
 
 
 def _same_layout(tensors: list[torch.Tensor]) -> bool:
