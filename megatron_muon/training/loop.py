@@ -100,6 +100,16 @@ def _global_mean_loss(losses: list[dict]) -> float:
     return float(pair[0] / pair[1])
 
 
+def _local_losses(unread: list[list[dict]], first_step: int) -> dict[int, float] | None:
+    """This rank's mean loss for each step not yet logged, by 1-based step, without collectives (after a failure the
+    other ranks may be gone); None when the device cannot be read any more."""
+    try:
+        return {first_step + i: float(torch.stack([entry["loss"].float() for entry in losses]).mean())
+                for i, losses in enumerate(unread) if losses}
+    except Exception:  # noqa: BLE001 - a failed device (CUDA error) raises anything; the original error matters
+        return None
+
+
 def optimizer_classes(optimizer) -> list[str]:
     """Qualified class names of the torch optimizers inside megatron's wrappers (what really steps the params)."""
     names = []
@@ -208,52 +218,61 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
     timer = StepTimer(on_gpu)
     window, first_loss, last_loss, run_start = _Window(), None, None, time.perf_counter()
     unread_losses: list[list[dict]] = []  # per step, read (one sync) when the window is logged or saved
-    for step in range(start_step, train.train_iters):
-        timer.start_step()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=_forward_step_func,
-            data_iterator=batches.for_step(step),
-            model=[model],
-            num_microbatches=batches.num_microbatches,
-            seq_length=recipe.model.seq_length,
-            micro_batch_size=train.micro_batch_size,
-            forward_only=False,
-        )
-        timer.end_forward_backward()
-        update_ok, grad_norm, _ = optimizer.step()
-        if update_ok:
-            scheduler.step(increment=1)  # schedule counted in iterations
-        unread_losses.append(losses)
-        bar.update(1)
-        done = step + 1
-        log_now = done % recipe.logging.log_interval == 0 or done == train.train_iters
-        save_now = bool(recipe.checkpoint.save and recipe.checkpoint.save_interval
-                        and done % recipe.checkpoint.save_interval == 0)
-        if log_now or save_now:  # a save is not timed as part of the next step
-            for (step_s, optimizer_s), step_losses in zip(timer.read(), unread_losses, strict=True):
-                loss = _global_mean_loss(step_losses)
-                first_loss = loss if first_loss is None else first_loss
-                last_loss = loss
-                window.add(step_s, optimizer_s, loss)
-            unread_losses = []
-        if log_now:
-            tokens_per_s = window.steps * tokens_per_step / window.seconds
-            record = {
-                "event": "step", "step": done, "loss": sum(window.losses) / len(window.losses),
-                "lr": optimizer.param_groups[0]["lr"], "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens_per_s": tokens_per_s, "step_time_s": window.seconds / window.steps,
-                "optimizer_share": window.optimizer_seconds / window.seconds, "memory_gib": _memory_gib(),
-                "skipped_update": not update_ok, **mfu_of(tokens_per_s),
-            }
-            if log:
-                log.write(record)
-                bar.write(format_step(record, train.train_iters))
-            window = _Window()
-        if save_now:
-            save_checkpoint(recipe.checkpoint.save, done, model, optimizer, scheduler,
-                            recipe.parallel.use_distributed_optimizer)
+    first_unread = start_step + 1  # 1-based number of the oldest step in unread_losses
+    try:
+        for step in range(start_step, train.train_iters):
+            timer.start_step()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = forward_backward(
+                forward_step_func=_forward_step_func,
+                data_iterator=batches.for_step(step),
+                model=[model],
+                num_microbatches=batches.num_microbatches,
+                seq_length=recipe.model.seq_length,
+                micro_batch_size=train.micro_batch_size,
+                forward_only=False,
+            )
+            timer.end_forward_backward()
+            update_ok, grad_norm, _ = optimizer.step()
+            if update_ok:
+                scheduler.step(increment=1)  # schedule counted in iterations
+            unread_losses.append(losses)
+            bar.update(1)
+            done = step + 1
+            log_now = done % recipe.logging.log_interval == 0 or done == train.train_iters
+            save_now = bool(recipe.checkpoint.save and recipe.checkpoint.save_interval
+                            and done % recipe.checkpoint.save_interval == 0)
+            if log_now or save_now:  # a save is not timed as part of the next step
+                for (step_s, optimizer_s), step_losses in zip(timer.read(), unread_losses, strict=True):
+                    loss = _global_mean_loss(step_losses)
+                    first_loss = loss if first_loss is None else first_loss
+                    last_loss = loss
+                    window.add(step_s, optimizer_s, loss)
+                unread_losses, first_unread = [], done + 1
+            if log_now:
+                tokens_per_s = window.steps * tokens_per_step / window.seconds
+                record = {
+                    "event": "step", "step": done, "loss": sum(window.losses) / len(window.losses),
+                    "lr": optimizer.param_groups[0]["lr"], "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "tokens_per_s": tokens_per_s, "step_time_s": window.seconds / window.steps,
+                    "optimizer_share": window.optimizer_seconds / window.seconds, "memory_gib": _memory_gib(),
+                    "skipped_update": not update_ok, **mfu_of(tokens_per_s),
+                }
+                if log:
+                    log.write(record)
+                    bar.write(format_step(record, train.train_iters))
+                window = _Window()
+            if save_now:
+                save_checkpoint(recipe.checkpoint.save, done, model, optimizer, scheduler,
+                                recipe.parallel.use_distributed_optimizer)
+    except BaseException as error:  # a crash or Ctrl-C: keep what the log has not shown yet
+        if log:
+            log.write({"event": "failed", "error": f"{type(error).__name__}: {error}",
+                       "unlogged_local_losses": _local_losses(unread_losses, first_unread)})
+            log.close()
+        bar.close()
+        raise
     bar.close()
     if recipe.checkpoint.save and (not recipe.checkpoint.save_interval
                                    or train.train_iters % recipe.checkpoint.save_interval):

@@ -8,7 +8,8 @@ from typing import Any, Iterable
 
 
 class JsonlLog:
-    """A fresh JSONL file; the first record describes the run, then one per logged step, then an end record."""
+    """A fresh JSONL file; the first record describes the run, then one per logged step, then an end record (or, if
+    the run fails, a failed record with the error and the losses of the steps not logged yet)."""
 
     def __init__(self, path: Path):
         self.path = path

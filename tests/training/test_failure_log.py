@@ -1,0 +1,46 @@
+"""A run that fails mid-window still logs what it has not shown yet: the error and the unlogged steps' losses."""
+
+from megatron_muon.training.report import read_jsonl
+
+FAIL_AT_CALL = 7  # one micro-batch per step: steps 1-6 finish, the log shows step 4, step 7 raises
+
+
+def _train_until_failure(rank, world_size, output_dir):
+    from megatron_muon.training import loop
+    from megatron_muon.training.distributed import current_context, init_parallel_state
+    from megatron_muon.training.recipes import load_recipe
+    from megatron_muon.training.validation import validate
+
+    recipe = validate(load_recipe("tiny-cpu", [
+        "training.train_iters=10", "training.micro_batch_size=2", "training.global_batch_size=2",
+        "model.seq_length=32", "optimizer.lr_warmup_iters=1", "logging.log_interval=4", "logging.plot=false",
+        "logging.progress_bar=false", f"logging.output_dir={output_dir}",
+    ]), world_size)
+    init_parallel_state(1, 1)
+    original, calls = loop._forward_step_func, []
+
+    def failing_forward_step(data_iterator, model_chunk):
+        calls.append(None)
+        if len(calls) == FAIL_AT_CALL:
+            raise RuntimeError("injected failure")
+        return original(data_iterator, model_chunk)
+
+    loop._forward_step_func = failing_forward_step
+    try:
+        loop.pretrain(recipe, current_context())
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        loop._forward_step_func = original
+    return None
+
+
+def test_failure_logs_the_error_and_unlogged_losses(rank_pool_1, tmp_path):
+    (raised,) = rank_pool_1.run(_train_until_failure, str(tmp_path / "run"))
+    assert raised == "injected failure"
+    records = read_jsonl(tmp_path / "run" / "train_log.jsonl")
+    assert [r["step"] for r in records if r["event"] == "step"] == [4]
+    failed = records[-1]
+    assert failed["event"] == "failed" and failed["error"] == "RuntimeError: injected failure"
+    losses = failed["unlogged_local_losses"]
+    assert sorted(losses) == ["5", "6"] and all(0.0 < loss < 20.0 for loss in losses.values())
