@@ -120,6 +120,9 @@ def _pretrain_command(args: argparse.Namespace) -> int:
         summary = pretrain(recipe, ctx)
     finally:
         shutdown_distributed()
+    if ctx.is_main and summary["stopped_by_signal"]:
+        print(f"stopped by SIGTERM after {summary['steps']} steps; checkpoint in {recipe.checkpoint.save}"
+              if recipe.checkpoint.save else f"stopped by SIGTERM after {summary['steps']} steps (no --save given)")
     if ctx.is_main:
         print(f"done: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} in {summary['steps']} steps "
               f"({summary['seconds']:.1f} s); log {summary['log']}" + (f", plot {summary['plot']}" if "plot" in summary

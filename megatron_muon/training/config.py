@@ -65,6 +65,7 @@ class TrainingSection:
     precision: str = "fp32"  # "bf16", "fp16" or "fp32"
     torch_compile: bool = False
     compile_mode: str = "default"  # torch.compile's mode: "reduce-overhead" adds CUDA graphs
+    exit_signal_handler: bool = False  # on SIGTERM: finish the step, save, end (one host read per step)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from megatron_muon.training.config import Recipe
 from megatron_muon.training.data import MicroBatches, build_train_dataset
 from megatron_muon.training.distributed import RunContext
 from megatron_muon.training.model import DTYPES, build_model, count_parameters, transformer_config, wrap_model
+from megatron_muon.training.preemption import StopOnSignal
 from megatron_muon.training.report import JsonlLog, format_step, plot_run, read_jsonl
 from megatron_muon.training.step_timer import StepTimer
 from megatron_muon.training.validation import data_parallel_size, model_shape
@@ -219,6 +220,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
     window, first_loss, last_loss, run_start = _Window(), None, None, time.perf_counter()
     unread_losses: list[list[dict]] = []  # per step, read (one sync) when the window is logged or saved
     first_unread = start_step + 1  # 1-based number of the oldest step in unread_losses
+    stop, done, saved_at = StopOnSignal(train.exit_signal_handler, ctx.device), start_step, None
     try:
         for step in range(start_step, train.train_iters):
             timer.start_step()
@@ -240,9 +242,10 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             unread_losses.append(losses)
             bar.update(1)
             done = step + 1
-            log_now = done % recipe.logging.log_interval == 0 or done == train.train_iters
-            save_now = bool(recipe.checkpoint.save and recipe.checkpoint.save_interval
-                            and done % recipe.checkpoint.save_interval == 0)
+            stop_now = stop.agreed()  # SIGTERM on any rank: log, save and end after this step, on every rank
+            log_now = done % recipe.logging.log_interval == 0 or done == train.train_iters or stop_now
+            save_now = bool(recipe.checkpoint.save and (stop_now or recipe.checkpoint.save_interval
+                                                        and done % recipe.checkpoint.save_interval == 0))
             if log_now or save_now:  # a save is not timed as part of the next step
                 for (step_s, optimizer_s), step_losses in zip(timer.read(), unread_losses, strict=True):
                     loss = _global_mean_loss(step_losses)
@@ -266,6 +269,9 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             if save_now:
                 save_checkpoint(recipe.checkpoint.save, done, model, optimizer, scheduler,
                                 recipe.parallel.use_distributed_optimizer)
+                saved_at = done
+            if stop_now:
+                break
     except BaseException as error:  # a crash or Ctrl-C: keep what the log has not shown yet
         if log:
             log.write({"event": "failed", "error": f"{type(error).__name__}: {error}",
@@ -273,13 +279,16 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             log.close()
         bar.close()
         raise
+    finally:
+        stop.close()
     bar.close()
-    if recipe.checkpoint.save and (not recipe.checkpoint.save_interval
-                                   or train.train_iters % recipe.checkpoint.save_interval):
-        save_checkpoint(recipe.checkpoint.save, train.train_iters, model, optimizer, scheduler,
+    interrupted = done < train.train_iters
+    if recipe.checkpoint.save and saved_at != done and done > start_step:
+        save_checkpoint(recipe.checkpoint.save, done, model, optimizer, scheduler,
                         recipe.parallel.use_distributed_optimizer)
-    summary = {"first_loss": first_loss, "last_loss": last_loss, "steps": train.train_iters - start_step,
-               "seconds": time.perf_counter() - run_start, "log": str(output_dir / LOG_FILE)}
+    summary = {"first_loss": first_loss, "last_loss": last_loss, "steps": done - start_step,
+               "seconds": time.perf_counter() - run_start, "log": str(output_dir / LOG_FILE),
+               "stopped_by_signal": interrupted}
     if log:
         log.write({"event": "end", **summary})
         log.close()

@@ -1,0 +1,52 @@
+"""Stop cleanly when the cluster asks: on SIGTERM, finish the step, save a checkpoint and end the run.
+
+Slurm sends SIGTERM before a job's time limit (with `#SBATCH --signal=TERM@<seconds>`), on preemption and on
+`scancel`, and torchrun passes it on to every rank. Ranks receive it at different moments, so each step they agree
+through one all-reduce (the max of their flags): every rank stops after the same step and the collective checkpoint
+save lines up, as megatron's `--exit-signal-handler` does. Off by default (`training.exit_signal_handler`): reading the
+agreed flag is a host read each step, which keeps the CPU from queueing the next step while the GPU finishes this one.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+
+
+class StopOnSignal:
+    """Records SIGTERM while installed; `agreed()` says whether any rank has received it."""
+
+    signum = signal.SIGTERM
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled = enabled
+        self.device = device
+        self.received = False
+        self._previous = None
+        if enabled:
+            if threading.current_thread() is not threading.main_thread():
+                raise ValueError(
+                    "training.exit_signal_handler needs the training loop on the main thread (Python delivers "
+                    "signals there); run pretrain from the main thread or set training.exit_signal_handler=false"
+                )
+            self._previous = signal.signal(self.signum, self._record)
+
+    def _record(self, signum, frame) -> None:
+        self.received = True
+
+    def agreed(self) -> bool:
+        """True on every rank once any rank received the signal. A collective when enabled: call it every step."""
+        if not self.enabled:
+            return False
+        flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        """Put the previous handler back."""
+        if self.enabled:
+            signal.signal(self.signum, self._previous)
+            self.enabled = False
