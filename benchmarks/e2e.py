@@ -88,12 +88,12 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
 
 def train_steps(
     model, optimizer, batches, recipe, steps: int, first_step: int = 0
-) -> list[tuple[float, float, float]]:
-    """(fwd+bwd seconds, optimizer seconds, loss) per step; the two add up to the step's time.
+) -> list[tuple[float, float, float, float | None]]:
+    """(fwd+bwd seconds, optimizer seconds, loss, grad norm) per step; the two times add up to the step's time.
 
     Steps run back to back as in megatron's loop: nothing synchronizes between or inside them, so the CPU queues
     the next step (batch upload, graph guards, launches) while the GPU finishes the current one. Times come from
-    CUDA events on the stream (`StepTimer`), losses are read after the last step."""
+    CUDA events on the stream (`StepTimer`), losses and grad norms are read after the last step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_muon.training.loop import _forward_step_func, _global_mean_loss
@@ -102,7 +102,7 @@ def train_steps(
     forward_backward = get_forward_backward_func()
     timer = StepTimer(torch.cuda.is_available())
     _sync()
-    step_losses = []
+    step_losses, grad_norms = [], []
     for step in range(first_step, first_step + steps):
         timer.start_step()
         model.zero_grad_buffer()
@@ -112,9 +112,9 @@ def train_steps(
             num_microbatches=batches.num_microbatches, seq_length=recipe.model.seq_length,
             micro_batch_size=recipe.training.micro_batch_size, forward_only=False))
         timer.end_forward_backward()
-        optimizer.step()
-    return [(step_s - optimizer_s, optimizer_s, _global_mean_loss(losses))
-            for (step_s, optimizer_s), losses in zip(timer.read(), step_losses, strict=True)]
+        grad_norms.append(optimizer.step()[1])  # megatron returns the pre-clipping norm (a device tensor)
+    return [(step_s - optimizer_s, optimizer_s, _global_mean_loss(losses), None if norm is None else float(norm))
+            for (step_s, optimizer_s), losses, norm in zip(timer.read(), step_losses, grad_norms, strict=True)]
 
 
 def compile_stats() -> dict:
@@ -144,14 +144,16 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
                                train.global_batch_size, 0, 1, ctx.device)
         records = train_steps(model, optimizer, batches, recipe, args.steps)
         timed = records[args.warmup:]
-        step_s = statistics.median(f + o for f, o, _ in timed)
+        step_s = statistics.median(f + o for f, o, _, _ in timed)
         tokens_per_step = train.global_batch_size * recipe.model.seq_length
         peak = recipe.metrics.peak_tflops or peak_tflops(ctx.device_name, recipe.metrics.peak_precision)
         mfu_of = MfuCalculator.for_model(model_shape(recipe), peak)
         row.update(
-            step_ms=step_s * 1e3, fwd_bwd_ms=statistics.median(f for f, _, _ in timed) * 1e3,
-            optimizer_ms=statistics.median(o for _, o, _ in timed) * 1e3, tokens_per_s=tokens_per_step / step_s,
-            losses=[loss for _, _, loss in records], first_steps_s=sum(f + o for f, o, _ in records[:args.warmup]),
+            step_ms=step_s * 1e3, fwd_bwd_ms=statistics.median(f for f, _, _, _ in timed) * 1e3,
+            optimizer_ms=statistics.median(o for _, o, _, _ in timed) * 1e3, tokens_per_s=tokens_per_step / step_s,
+            losses=[loss for _, _, loss, _ in records],
+            first_steps_s=sum(f + o for f, o, _, _ in records[:args.warmup]),
+            grad_norms=[norm for _, _, _, norm in records], clip_grad=recipe.optimizer.clip_grad,
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
             # cudaMalloc retries free cached blocks and synchronize the device: a sign of allocator pressure.
             allocator_retries=torch.cuda.memory_stats().get("num_alloc_retries") if on_gpu else None,

@@ -41,6 +41,12 @@ def loss_trajectories(rows: dict) -> list[str]:
             for r in rows.values() if r.get("losses")]
 
 
+def _clipped_steps(row: dict, warmup: int) -> str:
+    """'k/n': how many of the timed steps megatron clipped (their pre-clipping norm above clip_grad)."""
+    norms = [norm for norm in row["grad_norms"][warmup:] if norm is not None]
+    return f"{sum(norm > row['clip_grad'] for norm in norms)}/{len(norms)}"
+
+
 def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None:
     json_path.write_text(json.dumps({"meta": meta, "rows": list(rows.values())}, indent=1))
     base_key = next((k for k in ("1", "1r", "2", "3") if rows.get(k, {}).get("step_ms")), None)  # rung 1 may OOM
@@ -73,6 +79,10 @@ def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None
             f"| {_fmt(row.get('mfu'), '.1%')} | {_fmt(row.get('mfu_all_sdpa'), '.1%')} | {speedup} "
             f"| {row.get('graph_breaks', '')} | {row.get('graphs', '')} | {row.get('recompiles', '')} "
             f"| {_fmt(row.get('peak_memory_gib'), '.1f')} | {row['losses'][-1]:.4f} | {row.get('measured', '')} |")
+    clipped = [f"rung {row['rung']} {_clipped_steps(row, meta['warmup'])}" for row in rows.values()
+               if row.get("grad_norms")]
+    if clipped:
+        lines += ["", "Timed steps whose grad norm exceeded clip_grad (clipped): " + ", ".join(clipped)]
     if "4" in rows and "6" in rows and "step_ms" in rows["4"] and "step_ms" in rows["6"]:
         lines += ["", f"Our Muon step vs the AdamW step on our spec (rung 6 / rung 4): "
                       f"{rows['6']['step_ms'] / rows['4']['step_ms']:.3f}x"]

@@ -40,12 +40,15 @@ def test_cpu_ladder_compiled_equals_eager_over_20_steps(tmp_path):
     torch.testing.assert_close(torch.tensor(rows["4"]["losses"]), torch.tensor(losses), rtol=1e-4, atol=0)
     assert rows["4"]["compiled"] and rows["4"]["recompiles"] == 0
     assert rows["4e"]["step_ms"] > 0 and 0 < rows["4e"]["optimizer_share"] < 1
+    norms = rows["4e"]["grad_norms"]
+    assert len(norms) == 20 and all(n > 0 and n == n for n in norms) and rows["4e"]["clip_grad"] > 0
     try:
         import fla  # noqa: F401
     except ImportError:
         assert "FLA is not installed" in rows["1"]["error"]
     text = out.read_text()
     assert "our spec + fused AdamW, eager" in text and "| 1 |" in text
+    assert "rung 4e " in text.split("exceeded clip_grad (clipped): ")[1]
 
 
 def test_profile_categories_sum_to_all_kernels():
