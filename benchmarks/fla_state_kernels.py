@@ -1,0 +1,76 @@
+"""FLA's chunk-state kernels for the GDN layer at the hybrid-1.5B shape (16k tokens, 6 heads, key 256, value 512):
+the backward state-gradient kernel (`chunk_gated_delta_rule_bwd_dhu`) and the forward state kernel, timed with FLA's
+own autotuned config and then with each (value block, warps) pair pinned; outputs compared with FLA's default.
+
+    python benchmarks/fla_state_kernels.py   # a GPU with FLA; prints the lines of results/fla_state_kernels.md
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+B, T, H, K, V = 1, 16384, 6, 256, 512
+KEY = ["H", "HV", "K", "V", "BT", "STATE_V_FIRST"]
+
+
+def rewrap(heuristics, configs):
+    """FLA's kernel (heuristics(autotune(jit))) re-autotuned over `configs` only."""
+    import triton
+
+    return triton.heuristics(heuristics.values)(triton.autotune(configs=configs, key=KEY)(heuristics.fn.fn))
+
+
+def main() -> None:
+    import triton
+    from fla.ops.common import chunk_delta_h as m
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+    from triton.testing import do_bench
+
+    torch.manual_seed(0)
+    q = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    w = (torch.randn(B, T, H, K, device="cuda") * 0.05).bfloat16()
+    u, do, dv = (torch.randn(B, T, H, V, device="cuda").bfloat16() for _ in range(3))
+    g = chunk_local_cumsum(-torch.rand(B, T, H, device="cuda") * 0.1, chunk_size=64, scale=RCP_LN2)
+
+    def bwd():
+        return m.chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g, h0=None, dht=None, do=do, dv=dv, scale=K**-0.5,
+                                                state_v_first=True, chunk_size=64)
+
+    def fwd():
+        return m.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=None, output_final_state=False,
+                                              chunk_size=64, state_v_first=True)
+
+    def largest_difference(outputs, references):
+        return max((a.float() - b.float()).abs().max().item() for a, b in zip(outputs, references) if a is not None)
+
+    ref_b, ref_f = bwd(), fwd()
+    t_b, t_f = do_bench(bwd, rep=300), do_bench(fwd, rep=300)
+    original_b = m.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64
+    original_f = m.chunk_gated_delta_rule_fwd_kernel_h_blockdim64
+    print(f"FLA default: bwd_dhu {t_b:.3f} ms  fwd_h {t_f:.3f} ms  best bwd {original_b.fn.best_config} "
+          f"fwd {original_f.fn.best_config}")
+    for bv in (16, 32, 64):
+        for warps in (2, 4, 8):
+            configs = [triton.Config({"BV": bv}, num_warps=warps, num_stages=s) for s in (2, 3, 4)]
+            try:
+                m.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 = rewrap(original_b, configs)
+                m.chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = rewrap(original_f, configs)
+                err_b, err_f = largest_difference(bwd(), ref_b), largest_difference(fwd(), ref_f)
+                tb, tf = do_bench(bwd, rep=200), do_bench(fwd, rep=200)
+                stages = m.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64.fn.best_config.num_stages
+                print(f"BV={bv} warps={warps}: bwd {tb:.3f} ms ({stages} st) err {err_b:.3g} | fwd {tf:.3f} ms "
+                      f"err {err_f:.3g}", flush=True)
+            except Exception as error:  # a config the compiler rejects is a row, not the end of the table
+                print(f"BV={bv} warps={warps}: failed {type(error).__name__}: {str(error)[:200]}", flush=True)
+            finally:
+                m.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 = original_b
+                m.chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = original_f
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("fla_state_kernels.py times CUDA kernels; run it on a GPU machine with FLA installed")
+    main()
