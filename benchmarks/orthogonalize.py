@@ -3,7 +3,8 @@
 Methods: torch.optim.Muon's per-matrix NS (its internal `_zeropower_via_newtonschulz`), our standard / gram / auto
 (stacked per shape, Triton symmetric kernels), our gram on the torch backend, auto with restarts before iterations
 2 and 4 (the default before restarts followed the coefficients), and megatron-core's emerging_optimizers
-`newton_schulz` (per matrix, fp32 input as Megatron passes it; once with fp32 GEMMs, once in its bf16 mode). Inputs are pre-stacked per shape (stacking is the optimizer's job).
+`newton_schulz` (per matrix, fp32 input as Megatron passes it; once with fp32 GEMMs, once in its bf16 mode).
+Inputs are pre-stacked per shape (stacking is the optimizer's job).
 
     python benchmarks/orthogonalize.py --out benchmarks/results/orthogonalize.md [--auto-sweep FILE] [--kernels]
         [--methods "ours auto" "ours auto, torch input pass" ...]
