@@ -1,15 +1,16 @@
 """Causal depthwise conv1d (+ SiLU) as torch.library custom ops, so compiled graphs do not break around it.
 
 y[t] = act(sum_w x[t - (W-1) + w] * weight[:, w] + bias) over x [B, T, D], weight [D, W]; with ``cu_seqlens``
-(B = 1, packed sequences) no tap reaches across a sequence start. CUDA tensors use FLA's Triton kernel when an FLA
-backend is selected; otherwise the pure-torch version below (W shifted multiply-adds, fp32 accumulation).
+(B = 1, packed sequences) no tap reaches across a sequence start. CUDA tensors use FLA's Triton kernels when an FLA
+backend is selected (a dense conv without activation runs `conv_triton`'s one-pass kernels instead);
+otherwise the pure-torch version below (W shifted multiply-adds, fp32 accumulation).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_muon.ops import fla_backend
+from megatron_muon.ops import conv_triton, fla_backend
 from megatron_muon.ops.backend import backend_for
 
 _ACTIVATIONS = (None, "silu", "swish")
@@ -94,6 +95,8 @@ def causal_conv1d_fwd(
 ) -> Tensor:
     if backend_for(x) == "torch":
         return _torch_forward(x, weight, bias, activation, cu_seqlens)
+    if conv_triton.qualifies(x, weight, x, activation, cu_seqlens):
+        return conv_triton.conv_forward(x, weight, bias)
     return fla_backend.conv_forward(x, weight, bias, activation, cu_seqlens)
 
 
@@ -109,7 +112,10 @@ def causal_conv1d_bwd(
     """Returns (dx, dweight, dbias); dbias is empty when there is no bias."""
     if backend_for(x) == "torch":
         return _torch_backward(x, weight, bias, activation, cu_seqlens, dy)
-    dx, dweight, dbias = fla_backend.conv_backward(x, weight, bias, activation, cu_seqlens, dy)
+    if conv_triton.qualifies(x, weight, dy, activation, cu_seqlens):
+        dx, dweight, dbias = conv_triton.conv_backward(x, weight, bias, dy)
+    else:
+        dx, dweight, dbias = fla_backend.conv_backward(x, weight, bias, activation, cu_seqlens, dy)
     return dx, dweight, dbias if dbias is not None else x.new_empty(0)
 
 

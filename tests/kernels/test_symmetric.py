@@ -1,8 +1,5 @@
 """Triton symmetric kernels against the torch backend: on CPU through the interpreter, and on the GPU."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +7,7 @@ import torch
 
 from megatron_muon.kernels import orthogonalize
 from megatron_muon.kernels.ops import TorchOps
+from tests.interpreter import run_under_interpreter
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
@@ -18,14 +16,10 @@ triton = pytest.importorskip("triton", reason="Triton is not installed")
 def gpu_test(fn):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_kernel_under_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    script = Path(__file__).with_name("_interpret_check.py")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0 and "interpreter ok" in done.stdout, done.stderr[-3000:]
+    run_under_interpreter(Path(__file__).with_name("_interpret_check.py"))
 
 
 def _close_to_torch(out, expected, inner):

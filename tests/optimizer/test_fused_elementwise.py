@@ -2,9 +2,6 @@
 sequence they replace: on CPU through the Triton interpreter, and on the GPU."""
 
 import itertools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +9,8 @@ import torch
 
 from megatron_muon.optimizer import Muon, fused_elementwise, muon_math
 from megatron_muon.optimizer.routing import MatrixLayout, piece_views
+from tests.interpreter import run_under_interpreter
 
-ROOT = Path(__file__).resolve().parents[2]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -36,10 +33,7 @@ def test_passes_under_triton_interpreter():
     """Dtype mixes, strided and 4-D fused-QKV piece views, nesterov on/off, both lerp branches, decay on/off,
     uncovered fallbacks, and Muon / OwnerMuon steps with the fused path forced on vs off (see the script)."""
     pytest.importorskip("triton", reason="the interpreter comes with Triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    script = Path(__file__).with_name("_fused_interpret_check.py")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0 and "interpreter ok" in done.stdout, (done.stdout + done.stderr)[-3000:]
+    run_under_interpreter(Path(__file__).with_name("_fused_interpret_check.py"))
 
 
 # ---- GPU: the compiled kernels against torch's CUDA kernels ----
