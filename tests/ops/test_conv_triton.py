@@ -38,7 +38,8 @@ def test_gdn_shaped_conv_matches_torch_on_gpu(with_bias):
     dy = torch.randn_like(y)
     y.backward(dy)
     torch.testing.assert_close(y, _torch_forward(x, weight, bias, None, None), rtol=1.6e-2, atol=1e-2)
-    dx, dweight, dbias = _torch_backward(x.detach(), weight.detach(), None if bias is None else bias.detach(), None, None, dy)
+    detached_bias = None if bias is None else bias.detach()
+    dx, dweight, dbias = _torch_backward(x.detach(), weight.detach(), detached_bias, None, None, dy)
     torch.testing.assert_close(x.grad, dx, rtol=1.6e-2, atol=1e-2)
     # dweight sums 4096 products per tap: compare relative to its scale (bf16 result)
     for got, want in [(weight.grad, dweight)] + ([(bias.grad, dbias)] if with_bias else []):
