@@ -2,7 +2,7 @@
 
 y[t] = act(sum_w x[t - (W-1) + w] * weight[:, w] + bias) over x [B, T, D], weight [D, W]; with ``cu_seqlens``
 (B = 1, packed sequences) no tap reaches across a sequence start. CUDA tensors use FLA's Triton kernels when an FLA
-backend is selected (a dense conv without activation runs `conv_triton`'s one-pass kernels instead);
+backend is selected (the backward of a dense conv without activation runs `conv_triton`'s one-pass kernel);
 otherwise the pure-torch version below (W shifted multiply-adds, fp32 accumulation).
 """
 
@@ -95,8 +95,6 @@ def causal_conv1d_fwd(
 ) -> Tensor:
     if backend_for(x) == "torch":
         return _torch_forward(x, weight, bias, activation, cu_seqlens)
-    if conv_triton.qualifies(x, weight, x, activation, cu_seqlens):
-        return conv_triton.conv_forward(x, weight, bias)
     return fla_backend.conv_forward(x, weight, bias, activation, cu_seqlens)
 
 

@@ -1,12 +1,13 @@
-"""The causal depthwise conv (no activation, dense batches) forward and backward as one Triton pass each.
+"""The causal depthwise conv's backward (no activation, dense batches) as one Triton pass over dy and x.
 
 y[t] = sum_w x[t - (W-1) + w] * weight[:, w] (+ bias), so
 dx[s] = sum_j dy[s + j] * weight[:, W-1-j] and dweight[:, W-1-j] = sum_s dy[s + j] * x[s].
-Each program owns a [BT tokens, BD channels] tile and reads the W shifted input tiles (the overlap comes from
-cache). The backward also writes its column sums of dy·x as a per-tile partial that one reduction sums, so the
-result is deterministic. Few warps per tile keep those sums in registers: on the H200 at the hybrid-1.5B's GDN
-shape the backward took 0.25 ms with 2 warps against 0.37-0.85 ms with 4 or 8 (FLA's kernel: 0.39 ms;
-benchmarks/results/causal_conv.md). Packed sequences (cu_seqlens) and fused activations stay with FLA's kernels.
+Each program owns a [BT tokens, BD channels] tile, reads x and the W shifted dy tiles (the overlap comes from
+cache), writes dx, and writes its column sums of dy·x as a per-tile partial that one reduction sums, so the result
+is deterministic. Few warps per tile keep those sums in registers: on the H200 at the hybrid-1.5B's GDN shape the
+best 1- and 2-warp tiles took 0.23-0.25 ms against 0.37-1.26 ms with 4 or 8 warps, and the whole backward 0.257 ms
+against 0.394 for FLA's kernel (benchmarks/results/causal_conv.md). The forward stays with FLA (a one-pass forward
+of the same design was not faster: 0.130 against 0.122 ms), as do packed sequences and fused activations.
 """
 
 from __future__ import annotations
@@ -38,22 +39,6 @@ def qualifies(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, activatio
         and dy.shape == x.shape
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
     )
-
-
-def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = causal_conv1d(x, weight, bias) without activation, contiguous, in x's dtype."""
-    batch, seq, channels = x.shape
-    y = torch.empty((batch, seq, channels), dtype=x.dtype, device=x.device)
-    kernel, tile = (_conv_fwd_kernel, _INTERPRETER_TILE) if _INTERPRETING else (_conv_fwd_tuned, {})
-
-    def grid(meta):
-        return triton.cdiv(channels, meta["BD"]), triton.cdiv(seq, meta["BT"]), batch
-
-    kernel[grid](
-        x, weight.contiguous(), bias, y, seq, channels, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-        W=weight.shape[1], HAS_BIAS=bias is not None, **tile,
-    )
-    return y
 
 
 def conv_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dy: torch.Tensor):
@@ -120,33 +105,7 @@ if triton is not None:
         tl.store(DX + batch * stride_dxb + tokens[:, None] * stride_dxt + channels[None, :],
                  dx.to(DX.dtype.element_ty), mask=in_tile)
 
-    @triton.jit
-    def _conv_fwd_kernel(
-        X, Weight, Bias, Y, T, D, stride_xb, stride_xt, stride_yb, stride_yt,
-        W: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    ):
-        i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        tokens = i_t.to(tl.int64) * BT + tl.arange(0, BT)
-        channels = i_d * BD + tl.arange(0, BD)
-        in_d = channels < D
-        batch = i_b.to(tl.int64)
-        y = tl.zeros((BT, BD), dtype=tl.float32)
-        for j in tl.static_range(W):
-            earlier = tokens - j  # x[t - j] meets tap W-1-j
-            x = tl.load(
-                X + batch * stride_xb + earlier[:, None] * stride_xt + channels[None, :],
-                mask=((earlier >= 0) & (earlier < T))[:, None] & in_d[None, :], other=0.0,
-            ).to(tl.float32)
-            tap = tl.load(Weight + channels * W + (W - 1 - j), mask=in_d, other=0.0).to(tl.float32)
-            y += x * tap[None, :]
-        if HAS_BIAS:
-            y += tl.load(Bias + channels, mask=in_d, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + batch * stride_yb + tokens[:, None] * stride_yt + channels[None, :], y.to(Y.dtype.element_ty),
-                 mask=(tokens < T)[:, None] & in_d[None, :])
-
     # (BT, BD, warps): the H200 sweep's fastest backward tiles, all with few warps, and no tile large enough to spill
-    _TILES = ((_SMALLEST_BT, 64, 1), (_SMALLEST_BT, 64, 2), (_SMALLEST_BT, 128, 2), (64, 32, 2), (64, 64, 1),
-              (64, 64, 2), (64, 128, 4), (128, 32, 4))
+    _TILES = ((_SMALLEST_BT, 64, 1), (_SMALLEST_BT, 64, 2), (_SMALLEST_BT, 128, 2), (64, 64, 2), (128, 32, 4))
     _CONFIGS = [triton.Config({"BT": bt, "BD": bd}, num_warps=warps) for bt, bd, warps in _TILES]
     _conv_bwd_tuned = triton.autotune(configs=_CONFIGS, key=["D", "W", "HAS_BIAS"])(_conv_bwd_kernel)
-    _conv_fwd_tuned = triton.autotune(configs=_CONFIGS, key=["D", "W", "HAS_BIAS"])(_conv_fwd_kernel)

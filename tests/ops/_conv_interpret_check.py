@@ -1,9 +1,9 @@
-"""Run under TRITON_INTERPRET=1 in a subprocess: the causal conv's Triton kernels on CPU against the torch version."""
+"""Run under TRITON_INTERPRET=1 in a subprocess: the causal conv's Triton backward on CPU against the torch version."""
 
 import torch
 
 from megatron_muon.ops import conv_triton
-from megatron_muon.ops.conv import _torch_backward, _torch_forward
+from megatron_muon.ops.conv import _torch_backward
 
 
 def main():
@@ -19,8 +19,6 @@ def main():
         bias = torch.randn(channels, generator=g).to(dtype) if with_bias else None
         dy = torch.randn(batch, seq, channels, generator=g).to(dtype)
         assert conv_triton.qualifies(x, weight, dy, None, None)
-        want_y = _torch_forward(x, weight, bias, None, None)
-        torch.testing.assert_close(conv_triton.conv_forward(x, weight, bias), want_y)
         got = conv_triton.conv_backward(x, weight, bias, dy)
         want = _torch_backward(x, weight, bias, None, None, dy)
         torch.testing.assert_close(got[0], want[0])

@@ -1,4 +1,4 @@
-"""The causal conv's Triton kernels against the pure-torch conv: on CPU through the interpreter, and on the GPU."""
+"""The causal conv's Triton backward against the pure-torch conv: on CPU through the interpreter, and on the GPU."""
 
 from pathlib import Path
 
@@ -10,7 +10,7 @@ from megatron_muon.ops.conv import _torch_backward, _torch_forward, causal_conv1
 from tests.interpreter import run_under_interpreter
 
 
-def test_kernels_under_triton_interpreter():
+def test_backward_under_triton_interpreter():
     """Strided inputs, partial tiles, batches, bias on/off, fewer tokens than taps, and what the kernels decline."""
     pytest.importorskip("triton", reason="the interpreter comes with Triton")
     run_under_interpreter(Path(__file__).with_name("_conv_interpret_check.py"))
