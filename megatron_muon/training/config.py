@@ -65,7 +65,8 @@ class TrainingSection:
     precision: str = "fp32"  # "bf16", "fp16" or "fp32"
     torch_compile: bool = False
     compile_mode: str = "default"  # torch.compile's mode: "reduce-overhead" adds CUDA graphs
-    exit_signal_handler: bool = False  # on SIGTERM: finish the step, save, end (one host read per step)
+    exit_signal_handler: bool = False  # on exit_signal: finish the step, save, end (one host read per step)
+    exit_signal: str = "SIGTERM"  # or SIGUSR1 / SIGUSR2 / SIGINT, for jobs whose scheduler sends another signal
 
 
 @dataclass

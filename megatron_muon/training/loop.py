@@ -220,7 +220,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
     window, first_loss, last_loss, run_start = _Window(), None, None, time.perf_counter()
     unread_losses: list[list[dict]] = []  # per step, read (one sync) when the window is logged or saved
     first_unread = start_step + 1  # 1-based number of the oldest step in unread_losses
-    stop, done, saved_at = StopOnSignal(train.exit_signal_handler, ctx.device), start_step, None
+    stop, done, saved_at = StopOnSignal(train.exit_signal_handler, ctx.device, train.exit_signal), start_step, None
     try:
         for step in range(start_step, train.train_iters):
             timer.start_step()

@@ -1,7 +1,8 @@
 """Stop cleanly when the cluster asks: on SIGTERM, finish the step, save a checkpoint and end the run.
 
 Slurm sends SIGTERM before a job's time limit (with `#SBATCH --signal=TERM@<seconds>`), on preemption and on
-`scancel`, and torchrun passes it on to every rank. Ranks receive it at different moments, so each step they agree
+`scancel`, and torchrun passes it on to every rank (`training.exit_signal` picks SIGUSR1, SIGUSR2 or SIGINT for
+schedulers or wrappers that warn with another signal). Ranks receive it at different moments, so each step they agree
 through one all-reduce (the max of their flags): every rank stops after the same step and the collective checkpoint
 save lines up, as megatron's `--exit-signal-handler` does. Off by default (`training.exit_signal_handler`): reading the
 agreed flag is a host read each step, which keeps the CPU from queueing the next step while the GPU finishes this one.
@@ -16,13 +17,12 @@ import torch
 
 
 class StopOnSignal:
-    """Records SIGTERM while installed; `agreed()` says whether any rank has received it."""
+    """Records the signal (SIGTERM unless named) while installed; `agreed()` says whether any rank has received it."""
 
-    signum = signal.SIGTERM
-
-    def __init__(self, enabled: bool, device: torch.device):
+    def __init__(self, enabled: bool, device: torch.device, signal_name: str = "SIGTERM"):
         self.enabled = enabled
         self.device = device
+        self.signum = signal.Signals[signal_name]
         self.received = False
         self._previous = None
         if enabled:

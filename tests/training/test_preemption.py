@@ -65,3 +65,31 @@ def test_without_the_handler_sigterm_is_left_alone():
     assert not stop.agreed() and signal.getsignal(signal.SIGTERM) is before
     stop.close()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_another_signal_is_recorded_and_its_handler_restored():
+    """training.exit_signal=SIGUSR1: that signal is caught (the process lives on), SIGTERM is left alone."""
+    import torch
+
+    from megatron_muon.training.preemption import StopOnSignal
+
+    before_usr1, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    stop = StopOnSignal(True, device=torch.device("cpu"), signal_name="SIGUSR1")
+    try:
+        assert signal.getsignal(signal.SIGTERM) is before_term
+        assert not stop.agreed()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.agreed()
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGUSR1) is before_usr1
+
+
+def test_an_unknown_exit_signal_is_refused_with_the_choices():
+    import pytest
+
+    from megatron_muon.training.recipes import load_recipe
+    from megatron_muon.training.validation import RecipeError, validate
+
+    with pytest.raises(RecipeError, match="SIGUSR1"):
+        validate(load_recipe("tiny-cpu", ["training.exit_signal=SIGKILL"]))
