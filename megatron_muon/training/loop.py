@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,30 @@ def _local_losses(unread: list[list[dict]], first_step: int) -> dict[int, float]
                 for i, losses in enumerate(unread) if losses}
     except Exception:  # noqa: BLE001 - a failed device (CUDA error) raises anything; the original error matters
         return None
+
+
+def _record_failure(error: BaseException, log, output_dir: Path, local_losses) -> None:
+    """End the log with a `failed` record. Under pipeline parallelism the losses live on the last stage, so the
+    last stage of the logging rank's pipeline writes them beside the log (`failed_rank<R>.json`) and the log's
+    record names that rank. No collectives: the other ranks may be gone."""
+    from megatron.core import parallel_state as ps
+
+    record = {"event": "failed", "error": f"{type(error).__name__}: {error}"}
+    try:
+        last_stage, first_rank = ps.is_pipeline_last_stage(), ps.get_pipeline_model_parallel_first_rank()
+        last_rank = ps.get_pipeline_model_parallel_last_rank()
+    except (AssertionError, RuntimeError):  # model parallel state not set up yet: one stage
+        last_stage, first_rank, last_rank = True, 0, 0
+    if log:
+        record["unlogged_local_losses"] = local_losses if last_stage else None
+        if not last_stage:
+            record["losses_written_by_rank"] = last_rank
+        log.write(record)
+        log.close()
+    elif last_stage and first_rank == 0 and torch.distributed.is_initialized():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        record["unlogged_local_losses"] = local_losses
+        (output_dir / f"failed_rank{torch.distributed.get_rank()}.json").write_text(json.dumps(record))
 
 
 def optimizer_classes(optimizer) -> list[str]:
@@ -273,10 +298,7 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             if stop_now:
                 break
     except BaseException as error:  # a crash or Ctrl-C: keep what the log has not shown yet
-        if log:
-            log.write({"event": "failed", "error": f"{type(error).__name__}: {error}",
-                       "unlogged_local_losses": _local_losses(unread_losses, first_unread)})
-            log.close()
+        _record_failure(error, log, output_dir, _local_losses(unread_losses, first_unread))
         bar.close()
         raise
     finally:

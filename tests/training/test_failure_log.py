@@ -44,3 +44,46 @@ def test_failure_logs_the_error_and_unlogged_losses(rank_pool_1, tmp_path):
     assert failed["event"] == "failed" and failed["error"] == "RuntimeError: injected failure"
     losses = failed["unlogged_local_losses"]
     assert sorted(losses) == ["5", "6"] and all(0.0 < loss < 20.0 for loss in losses.values())
+
+
+def _train_pp2_until_failure(rank, world_size, output_dir):
+    """pp=2 on 2 ranks; both ranks fail together while fetching step 7's batch (no transfer left half done)."""
+    from megatron_muon.training import data, loop
+    from megatron_muon.training.distributed import current_context, init_parallel_state
+    from megatron_muon.training.recipes import load_recipe
+    from megatron_muon.training.validation import validate
+
+    recipe = validate(load_recipe("tiny-cpu", [
+        "training.train_iters=10", "training.micro_batch_size=2", "training.global_batch_size=2",
+        "model.seq_length=32", "optimizer.lr_warmup_iters=1", "logging.log_interval=4", "logging.plot=false",
+        "logging.progress_bar=false", f"logging.output_dir={output_dir}", "parallel.pipeline_model_parallel_size=2",
+    ]), world_size)
+    init_parallel_state(1, 2)
+    original = data.MicroBatches.for_step
+
+    def failing_for_step(self, step):
+        if step == FAIL_AT_CALL - 1:
+            raise RuntimeError("injected failure")
+        return original(self, step)
+
+    data.MicroBatches.for_step = failing_for_step
+    try:
+        loop.pretrain(recipe, current_context())
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        data.MicroBatches.for_step = original
+    return None
+
+
+def test_under_pipeline_parallelism_the_last_stage_keeps_the_losses(rank_pool_2, tmp_path):
+    import json
+
+    assert rank_pool_2.run(_train_pp2_until_failure, str(tmp_path / "run")) == ["injected failure"] * 2
+    failed = read_jsonl(tmp_path / "run" / "train_log.jsonl")[-1]
+    assert failed["event"] == "failed" and failed["unlogged_local_losses"] is None  # the first stage has none
+    assert failed["losses_written_by_rank"] == 1
+    beside = json.loads((tmp_path / "run" / "failed_rank1.json").read_text())
+    assert beside["error"] == "RuntimeError: injected failure"
+    assert sorted(beside["unlogged_local_losses"]) == ["5", "6"]
+    assert all(0.0 < loss < 20.0 for loss in beside["unlogged_local_losses"].values())
