@@ -189,24 +189,36 @@ class _Window:
         self.losses.append(loss)
 
 
-def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
-    """Train the recipe's model on this rank (every rank of the job calls it); returns a summary on every rank."""
+@dataclass
+class _Run:
+    """What a run builds once before its first step (model, optimizer, data, metrics, log)."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    batches: MicroBatches
+    mfu_of: MfuCalculator
+    tokens_per_step: int
+    start_step: int
+    output_dir: Path
+    log: JsonlLog | None
+
+
+def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
+    """Build the model, optimizer and schedule (resuming from `checkpoint.load`), the data and the MFU calculator,
+    and open the log with a `start` record on the main rank."""
     import megatron_muon
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     megatron_muon.register()
     torch.manual_seed(recipe.training.seed)
     model_parallel_cuda_manual_seed(recipe.training.seed)
-    output_dir = Path(recipe.output_dir)
-    train = recipe.training
-    on_gpu = ctx.device.type == "cuda"
+    output_dir, train = Path(recipe.output_dir), recipe.training
 
-    config = transformer_config(recipe, on_gpu=on_gpu)
+    config = transformer_config(recipe, on_gpu=ctx.device.type == "cuda")
     module = build_model(recipe, config)
     if train.torch_compile:
         module.forward = torch.compile(module.forward, mode=train.compile_mode)
@@ -221,13 +233,10 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
     if recipe.checkpoint.load:
         start_step = load_checkpoint(recipe.checkpoint.load, model, optimizer, scheduler,
                                      recipe.parallel.use_distributed_optimizer)
-
-    dp = data_parallel_size(recipe, ctx.world_size)
     batches = MicroBatches(build_train_dataset(recipe, output_dir), train.micro_batch_size, train.global_batch_size,
-                           ps.get_data_parallel_rank(), dp, ctx.device)
+                           ps.get_data_parallel_rank(), data_parallel_size(recipe, ctx.world_size), ctx.device)
     peak = recipe.metrics.peak_tflops or peak_tflops(ctx.device_name, recipe.metrics.peak_precision)
-    shape = model_shape(recipe)
-    mfu_of = MfuCalculator.for_model(shape, peak, num_gpus=ctx.world_size)
+    mfu_of = MfuCalculator.for_model(model_shape(recipe), peak, num_gpus=ctx.world_size)
     tokens_per_step = train.global_batch_size * recipe.model.seq_length
 
     log = JsonlLog(output_dir / LOG_FILE) if ctx.is_main else None
@@ -239,13 +248,40 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
             "optimizer_classes": optimizer_classes(optimizer), "fused_adam_groups": fused_adam_groups,
         })
+    return _Run(model, optimizer, scheduler, batches, mfu_of, tokens_per_step, start_step, output_dir, log)
+
+
+def _step_record(run: _Run, window: _Window, done: int, update_ok: bool, grad_norm) -> dict[str, Any]:
+    """The log line for the window that ends at step `done`."""
+    tokens_per_s = window.steps * run.tokens_per_step / window.seconds
+    return {
+        "event": "step", "step": done, "loss": sum(window.losses) / len(window.losses),
+        "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": None if grad_norm is None else float(grad_norm),
+        "tokens_per_s": tokens_per_s, "step_time_s": window.seconds / window.steps,
+        "optimizer_share": window.optimizer_seconds / window.seconds, "memory_gib": _memory_gib(),
+        "skipped_update": not update_ok, **run.mfu_of(tokens_per_s),
+    }
+
+
+def _save(recipe: Recipe, run: _Run, step: int) -> None:
+    save_checkpoint(recipe.checkpoint.save, step, run.model, run.optimizer, run.scheduler,
+                    recipe.parallel.use_distributed_optimizer)
+
+
+def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
+    """Train the recipe's model on this rank (every rank of the job calls it); returns a summary on every rank."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    train, run = recipe.training, _start_run(recipe, ctx)
+    model, optimizer, log, start_step = run.model, run.optimizer, run.log, run.start_step
     bar = _progress_bar(ctx.is_main and recipe.logging.progress_bar, train.train_iters, start_step)
     forward_backward = get_forward_backward_func()
-    timer = StepTimer(on_gpu)
+    timer = StepTimer(ctx.device.type == "cuda")
     window, first_loss, last_loss, run_start = _Window(), None, None, time.perf_counter()
     unread_losses: list[list[dict]] = []  # per step, read (one sync) when the window is logged or saved
     first_unread = start_step + 1  # 1-based number of the oldest step in unread_losses
-    stop, done, saved_at = StopOnSignal(train.exit_signal_handler, ctx.device, train.exit_signal), start_step, None
+    stop = StopOnSignal(train.exit_signal_handler, ctx.device, train.exit_signal)
+    done, saved_at = start_step, None
     try:
         for step in range(start_step, train.train_iters):
             timer.start_step()
@@ -253,9 +289,9 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             optimizer.zero_grad()
             losses = forward_backward(
                 forward_step_func=_forward_step_func,
-                data_iterator=batches.for_step(step),
+                data_iterator=run.batches.for_step(step),
                 model=[model],
-                num_microbatches=batches.num_microbatches,
+                num_microbatches=run.batches.num_microbatches,
                 seq_length=recipe.model.seq_length,
                 micro_batch_size=train.micro_batch_size,
                 forward_only=False,
@@ -263,11 +299,11 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             timer.end_forward_backward()
             update_ok, grad_norm, _ = optimizer.step()
             if update_ok:
-                scheduler.step(increment=1)  # schedule counted in iterations
+                run.scheduler.step(increment=1)  # schedule counted in iterations
             unread_losses.append(losses)
             bar.update(1)
             done = step + 1
-            stop_now = stop.agreed()  # SIGTERM on any rank: log, save and end after this step, on every rank
+            stop_now = stop.agreed()  # the exit signal on any rank: log, save and end after this step, on every rank
             log_now = done % recipe.logging.log_interval == 0 or done == train.train_iters or stop_now
             save_now = bool(recipe.checkpoint.save and (stop_now or recipe.checkpoint.save_interval
                                                         and done % recipe.checkpoint.save_interval == 0))
@@ -279,43 +315,33 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
                     window.add(step_s, optimizer_s, loss)
                 unread_losses, first_unread = [], done + 1
             if log_now:
-                tokens_per_s = window.steps * tokens_per_step / window.seconds
-                record = {
-                    "event": "step", "step": done, "loss": sum(window.losses) / len(window.losses),
-                    "lr": optimizer.param_groups[0]["lr"], "grad_norm": None if grad_norm is None else float(grad_norm),
-                    "tokens_per_s": tokens_per_s, "step_time_s": window.seconds / window.steps,
-                    "optimizer_share": window.optimizer_seconds / window.seconds, "memory_gib": _memory_gib(),
-                    "skipped_update": not update_ok, **mfu_of(tokens_per_s),
-                }
+                record = _step_record(run, window, done, update_ok, grad_norm)
                 if log:
                     log.write(record)
                     bar.write(format_step(record, train.train_iters))
                 window = _Window()
             if save_now:
-                save_checkpoint(recipe.checkpoint.save, done, model, optimizer, scheduler,
-                                recipe.parallel.use_distributed_optimizer)
+                _save(recipe, run, done)
                 saved_at = done
             if stop_now:
                 break
     except BaseException as error:  # a crash or Ctrl-C: keep what the log has not shown yet
-        _record_failure(error, log, output_dir, _local_losses(unread_losses, first_unread))
+        _record_failure(error, log, run.output_dir, _local_losses(unread_losses, first_unread))
         bar.close()
         raise
     finally:
         stop.close()
     bar.close()
-    interrupted = done < train.train_iters
     if recipe.checkpoint.save and saved_at != done and done > start_step:
-        save_checkpoint(recipe.checkpoint.save, done, model, optimizer, scheduler,
-                        recipe.parallel.use_distributed_optimizer)
+        _save(recipe, run, done)
     summary = {"first_loss": first_loss, "last_loss": last_loss, "steps": done - start_step,
-               "seconds": time.perf_counter() - run_start, "log": str(output_dir / LOG_FILE),
-               "stopped_by_signal": interrupted}
+               "seconds": time.perf_counter() - run_start, "log": str(run.output_dir / LOG_FILE),
+               "stopped_by_signal": done < train.train_iters}
     if log:
         log.write({"event": "end", **summary})
         log.close()
         if recipe.logging.plot:
-            plot = plot_run(read_jsonl(output_dir / LOG_FILE), output_dir / PLOT_FILE, recipe.name)
+            plot = plot_run(read_jsonl(run.output_dir / LOG_FILE), run.output_dir / PLOT_FILE, recipe.name)
             if plot is not None:
                 summary["plot"] = str(plot)
     return summary
