@@ -7,7 +7,8 @@ Each rung is cumulative over the one before it:
   3 +compile       torch.compile of the model's forward
   4 +our-gdn       our hybrid spec: compile-friendly GDN custom ops, compilable row-parallel linear;
                    megatron's torch-AdamW fallback on torch's fused kernel (megatron_muon.megatron.fused_adam;
-                   the optimizer column shows its share separately); gradients added into DDP's fp32 buffers
+                   the optimizer column shows its share separately), then clip factor, AdamW and bf16 model copy
+                   in one pass (megatron_muon.megatron.master_adamw); gradients added into DDP's fp32 buffers
                    in one vectorized pass (megatron_muon.megatron.main_grad_add)
   5 mcore-muon     AdamW -> megatron-core's own Muon (TensorParallelMuon), on the Muon-eligible matrices
                    (the remaining parameters stay on fused AdamW here and in rung 6)
@@ -16,6 +17,8 @@ Each rung is cumulative over the one before it:
 attention fit at 16k (rung 1 materializes a 16 x 16k x 16k score matrix per attention layer and can run out of memory).
 `4m` is rung 4 with megatron's mixed-dtype `main_grad.add_` instead of our vectorized one (the gain of
 `megatron_muon.megatron.main_grad_add`, measured in the same run).
+`4a` is rung 4 with megatron's clip multiply, torch's fused AdamW and megatron's master-to-model copy as three
+passes (the gain of `megatron_muon.megatron.master_adamw`, measured in the same run).
 `4e` (our spec, eager, AdamW) is an extra rung: it isolates the compile gain on our spec and gives the
 eager-vs-compiled loss comparison.
 
@@ -40,6 +43,7 @@ class Rung:
     fused_adam: bool  # megatron's torch-AdamW fallback switched to torch's fused kernel (ours) or left foreach
     recompute_attention: bool = False  # megatron's selective recompute of core attention (drops the score matrices)
     main_grad_add: bool = False  # gradients added into DDP's fp32 buffers by our vectorized pass, not megatron's add_
+    one_pass_adamw: bool = False  # clip factor, AdamW and 16-bit model copy in one pass (with fused_adam)
 
 
 RUNGS = {
@@ -48,12 +52,17 @@ RUNGS = {
                "adam", False, recompute_attention=True),
     "2": Rung("2", "+ cuDNN attention", "upstream", "cudnn", False, "adam", False),
     "3": Rung("3", "+ torch.compile", "upstream", "cudnn", True, "adam", False),
-    "4e": Rung("4e", "our spec + fused AdamW, eager", "ours", "cudnn", False, "adam", True, main_grad_add=True),
+    "4e": Rung("4e", "our spec + fused AdamW, eager", "ours", "cudnn", False, "adam", True, main_grad_add=True,
+               one_pass_adamw=True),
     "4": Rung("4", "+ our GDN ops/spec + fused AdamW (compiled)", "ours", "cudnn", True, "adam", True,
-              main_grad_add=True),
-    "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True),
-    "5": Rung("5", "AdamW -> megatron-core Muon", "ours", "cudnn", True, "mcore_muon", True, main_grad_add=True),
-    "6": Rung("6", "-> our Muon", "ours", "cudnn", True, "muon", True, main_grad_add=True),
+              main_grad_add=True, one_pass_adamw=True),
+    "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,
+               one_pass_adamw=True),
+    "4a": Rung("4a", "rung 4 with clip, AdamW and master copy as three passes", "ours", "cudnn", True, "adam", True,
+               main_grad_add=True),
+    "5": Rung("5", "AdamW -> megatron-core Muon", "ours", "cudnn", True, "mcore_muon", True, main_grad_add=True,
+              one_pass_adamw=True),
+    "6": Rung("6", "-> our Muon", "ours", "cudnn", True, "muon", True, main_grad_add=True, one_pass_adamw=True),
 }
 DEFAULT_RUNGS = ("1", "1r", "2", "3", "4e", "4", "5", "6")
 

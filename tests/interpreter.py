@@ -13,3 +13,18 @@ def run_under_interpreter(script: Path, timeout: float = 240) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0 and "interpreter ok" in done.stdout, (done.stdout + done.stderr)[-3000:]
+
+
+def patch_for_numpy_2_5() -> None:
+    """Inside an interpreter subprocess: Triton 3.6's interpreter turns scalars into 1-element arrays and calls int()
+    on them for range(); numpy >= 2.5 refuses that. Index the single element instead (a CPU-debugging shim only;
+    compiled kernels are unaffected)."""
+    import triton.runtime.interpreter as interpreter
+
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_numpy_2_5_index(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_with_numpy_2_5_index

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from megatron_muon.megatron.fused_adam import use_fused_torch_adam
+from megatron_muon.megatron.master_adamw import install_master_adamw
 from megatron_muon.metrics import MfuCalculator, peak_tflops
 from megatron_muon.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_muon.training.config import Recipe
@@ -225,6 +226,7 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
     model = wrap_model(module, config, recipe)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     fused_adam_groups = use_fused_torch_adam(optimizer)  # megatron's torch-AdamW fallback, fused on GPUs
+    one_pass_adamw = install_master_adamw(optimizer)  # and clip, AdamW and model copy in one pass where Triton runs
     scheduler = lr_scheduler(recipe, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -247,6 +249,7 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
             "all_sdpa_flops_per_token": mfu_of.all_attention_flops_per_token, "peak_tflops_per_gpu": peak,
             "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
             "optimizer_classes": optimizer_classes(optimizer), "fused_adam_groups": fused_adam_groups,
+            "one_pass_adamw": one_pass_adamw,
         })
     return _Run(model, optimizer, scheduler, batches, mfu_of, tokens_per_step, start_step, output_dir, log)
 

@@ -2,19 +2,10 @@
 main_grad accumulation, the clipping scale) on CPU against torch."""
 
 import torch
-import triton.runtime.interpreter as interpreter
 
-# Triton 3.6's interpreter turns scalars into 1-element arrays and calls int() on them for range(); numpy >= 2.5
-# refuses that. Index the single element instead (a CPU-debugging shim only; compiled kernels are unaffected).
-_patch_lang_tensor = interpreter._patch_lang_tensor
+from tests.interpreter import patch_for_numpy_2_5
 
-
-def _patch_with_numpy_2_5_index(tensor, scope):
-    _patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interpreter._patch_lang_tensor = _patch_with_numpy_2_5_index
+patch_for_numpy_2_5()
 
 from megatron_muon.kernels import orthogonalize  # noqa: E402
 from megatron_muon.kernels.ops import TorchOps  # noqa: E402

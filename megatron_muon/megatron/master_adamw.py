@@ -1,0 +1,285 @@
+"""megatron's mixed-precision AdamW step (fp32 master weights) as one Triton pass per param group: the gradient
+clip factor, the AdamW update and the 16-bit model copy together.
+
+Without Transformer Engine (whose FusedAdam writes the model copy itself) megatron-core runs three passes over the
+hybrid-1.5B's 1.48B fp32 master weights per step on the H200: the clip multiply of every gradient (3.0 ms when the
+step is clipped, `clip_scale.md`), torch's fused AdamW (12.2 ms) and the copy of every master weight into its bf16
+model parameter (2.4 ms; `e2e_profile_rung4.md`). Here `clip_grad_by_total_norm_fp32` leaves the clip factor on
+the device for the optimizer instead of multiplying (a factor of 1 costs nothing), and one pass reads each
+gradient, master weight and moment once and writes the master weight, both moments and the model copy.
+
+The state keeps torch's layout (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are interchangeable with torch's
+AdamW. Gradients are not written back: after the step they hold the unclipped values (megatron zeroes them before
+the next backward). The pass covers megatron's Float16OptimizerWithFloat16Params over torch Adam/AdamW (no amsgrad,
+maximize, capturable, differentiable or tensor lr) with contiguous fp32 tensors on a device Triton serves; anything
+else keeps megatron's path, clip multiply included.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+
+import torch
+
+from megatron_muon.optimizer.fused_elementwise import _INTERPRETING, supported
+
+try:
+    import triton
+    import triton.language as tl
+
+    from megatron_muon.optimizer.fused_elementwise import _round
+except ImportError:  # install_master_adamw installs nothing
+    triton = None
+
+BLOCK = 2048
+_OWNER = "_megatron_muon_one_pass_adamw"  # on each claimed master param: a weakref to its OnePassAdamW
+_CLIP_MODULES = ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer")
+_original_clip = None
+
+
+def install_master_adamw(optimizer) -> int:
+    """Give every qualifying mixed-precision AdamW inside `optimizer` the one-pass step; returns how many."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    installed = 0
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if type(part) is Float16OptimizerWithFloat16Params and _qualifies(part):
+            _attach(part)
+            installed += 1
+    if installed:
+        _install_clip_deferral()
+    return installed
+
+
+def _attach(wrapper) -> OnePassAdamW:
+    """Run the pass in place of the wrapper's inner step and master-to-model copy; claim its params for the clip."""
+    model_of = {id(main): model for models, mains in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups)
+                for model, main in zip(models, mains)}
+    one_pass = OnePassAdamW(wrapper.optimizer, model_of)
+    handle = weakref.ref(one_pass)
+    for group in wrapper.optimizer.param_groups:
+        for param in group["params"]:
+            setattr(param, _OWNER, handle)
+    original_prepare, original_step = wrapper.prepare_grads, wrapper.step_with_ready_grads
+
+    def prepare_grads():
+        one_pass.pending = None  # a factor left by a step that was skipped never reaches the next one
+        return original_prepare()
+
+    def step_with_ready_grads():
+        if one_pass.run():
+            return True
+        one_pass.apply_pending()
+        return original_step()
+
+    wrapper.prepare_grads, wrapper.step_with_ready_grads = prepare_grads, step_with_ready_grads
+    wrapper.one_pass_adamw = one_pass  # lives as long as the wrapper
+    return one_pass
+
+
+def _qualifies(wrapper) -> bool:
+    inner = wrapper.optimizer
+    if triton is None or type(inner) not in (torch.optim.AdamW, torch.optim.Adam) or wrapper.is_stub_optimizer:
+        return False
+    if getattr(wrapper.config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        return False
+    params = [p for group in inner.param_groups for p in group["params"]]
+    return bool(params) and all(
+        not group.get(flag) for group in inner.param_groups for flag in ("amsgrad", "maximize", "capturable",
+                                                                           "differentiable")
+    ) and all(not isinstance(group["lr"], torch.Tensor) for group in inner.param_groups) and all(
+        p.dtype == torch.float32 and p.is_contiguous() and supported(p.device) for p in params
+    )
+
+
+class OnePassAdamW:
+    """The pass for one torch Adam/AdamW over fp32 master weights, with a pending clip factor.
+
+    `model_of` maps id(master weight) to the 16-bit model parameter the pass writes (masters without one are fp32
+    model parameters themselves). `pending` is the clip factor for the next `run()`, a one-element fp32 device
+    tensor, or None.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, model_of: dict[int, torch.Tensor]):
+        self.inner, self.model_of = inner, model_of
+        self.claimed = frozenset(id(p) for group in inner.param_groups for p in group["params"])
+        self.pending: torch.Tensor | None = None
+        self._host_steps: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def apply_pending(self) -> None:
+        """Multiply the gradients by the pending clip factor (for megatron's own path)."""
+        if self.pending is not None:
+            grads = [p.grad for group in self.inner.param_groups for p in group["params"] if p.grad is not None]
+            torch._foreach_mul_(grads, self.pending.reshape(()))
+            self.pending = None
+
+    def run(self) -> bool:
+        """The pass for every param group; False (nothing done) when a tensor does not qualify this step."""
+        work = []
+        for index, group in enumerate(self.inner.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(not _pass_ready(p, self.model_of.get(id(p))) for p in params):
+                return False
+            work.append((index, group, params))
+        for index, group, params in work:
+            if params:
+                self._run_group(index, group, params)
+        self.pending = None
+        return True
+
+    def _run_group(self, index: int, group: dict, params: list[torch.Tensor]) -> None:
+        states = [self._state(p) for p in params]
+        steps = [state["step"] for state in states]
+        torch._foreach_add_(steps, 1.0)
+        count = self._host_step(index, steps[0])
+        beta1, beta2 = group["betas"]
+        lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+        decoupled = isinstance(self.inner, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+        scalars = dict(
+            decay=lr * weight_decay if decoupled else weight_decay, decoupled=decoupled, beta1=beta1, beta2=beta2,
+            step_size=lr / (1 - beta1**count), bc2_sqrt=math.sqrt(1 - beta2**count), eps=group["eps"],
+        )
+        by_model_dtype: dict[torch.dtype | None, list[int]] = {}
+        for k, param in enumerate(params):
+            model = self.model_of.get(id(param))
+            by_model_dtype.setdefault(None if model is None else model.dtype, []).append(k)
+        for model_dtype, members in by_model_dtype.items():
+            rows = [(params[k], params[k].grad, states[k]["exp_avg"], states[k]["exp_avg_sq"],
+                     self.model_of.get(id(params[k]))) for k in members]
+            _launch(rows, self.pending, model_dtype, scalars)
+
+    def _state(self, param: torch.Tensor) -> dict:
+        state = self.inner.state[param]
+        if not state:  # torch's lazy init for fused groups: a device step, zero moments
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+    def _host_step(self, index: int, step: torch.Tensor) -> int:
+        """The group's step count on the host: read once (one sync), then counted; read again after a load."""
+        known = self._host_steps.get(index)
+        count = known[1] + 1 if known is not None and known[0] is step else int(step.item())
+        self._host_steps[index] = (step, count)
+        return count
+
+
+def _pass_ready(param: torch.Tensor, model: torch.Tensor | None) -> bool:
+    grad = param.grad
+    return (grad.dtype == torch.float32 and grad.is_contiguous() and grad.shape == param.shape
+            and grad.device == param.device
+            and (model is None or (model.is_contiguous() and model.numel() == param.numel()
+                                   and model.device == param.device)))
+
+
+def _launch(rows, factor, model_dtype, scalars) -> None:
+    device = rows[0][0].device
+    pointers, numels, block_tensor, block_start = _tables(
+        device, tuple((*(t.data_ptr() for t in row[:4]), 0 if row[4] is None else row[4].data_ptr(), row[0].numel())
+                      for row in rows))
+    if block_tensor.numel() == 0:
+        return
+    model_carrier = rows[0][4] if model_dtype is not None else rows[0][0]
+    _adamw_kernel[(block_tensor.numel(),)](
+        pointers, numels, block_tensor, block_start, rows[0][0] if factor is None else factor, model_carrier,
+        scalars["decay"], scalars["beta1"], 1.0 - scalars["beta1"], scalars["beta2"], 1.0 - scalars["beta2"],
+        scalars["step_size"], scalars["bc2_sqrt"], scalars["eps"], DECOUPLED=scalars["decoupled"],
+        HAS_FACTOR=factor is not None, HAS_MODEL=model_dtype is not None, EMULATE=_INTERPRETING, BLOCK=BLOCK,
+        num_warps=4,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _tables(device: torch.device, rows: tuple[tuple[int, ...], ...]):
+    """Device tables: per tensor its 5 addresses and numel; per block its tensor and first element."""
+    pointers = torch.tensor([row[:5] for row in rows], dtype=torch.int64)
+    numels = torch.tensor([row[5] for row in rows], dtype=torch.int64)
+    blocks_per = [-(-row[5] // BLOCK) for row in rows]
+    block_tensor = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(blocks_per))
+    block_start = torch.cat([torch.arange(0, row[5], BLOCK, dtype=torch.int64) for row in rows])
+    return tuple(t.to(device) for t in (pointers, numels, block_tensor, block_start))
+
+
+def _install_clip_deferral() -> None:
+    """Route megatron's clip through `_clip_or_defer` (once per process)."""
+    global _original_clip
+    import importlib
+
+    if _original_clip is not None:
+        return
+    for name in _CLIP_MODULES:
+        module = importlib.import_module(name)
+        _original_clip = _original_clip or module.clip_grad_by_total_norm_fp32
+        module.clip_grad_by_total_norm_fp32 = _clip_or_defer
+
+
+def _clip_or_defer(parameters, max_norm, total_norm, use_decoupled_grad: bool = False):
+    """megatron's clip, except that a call covering exactly one OnePassAdamW's params leaves the factor with it."""
+    owner = None if use_decoupled_grad else _sole_owner(parameters)
+    if owner is None:
+        return _original_clip(parameters, max_norm, total_norm, use_decoupled_grad)
+    factor = max_norm / (total_norm + 1.0e-6)
+    if isinstance(factor, torch.Tensor):
+        owner.pending = factor.reshape(1).float().clamp_max(1.0)
+    elif factor < 1.0:  # a host norm: as megatron, nothing to do when not clipped
+        device = next(iter(owner.inner.param_groups[0]["params"])).device
+        owner.pending = torch.tensor([factor], dtype=torch.float32, device=device)
+    return None
+
+
+def _sole_owner(parameters):
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    with_grads = [p for p in params if p.grad is not None]
+    handles = {getattr(p, _OWNER, None) for p in with_grads}
+    if len(handles) != 1 or None in handles:
+        return None
+    owner = next(iter(handles))()
+    # a second clip of the same step (or a subset, as separate grad-norm groups do) multiplies as megatron does:
+    # factors commute, so the pending one still applies once
+    if owner is None or owner.pending is not None or {id(p) for p in with_grads} != owner.claimed:
+        return None
+    return owner
+
+
+if triton is not None:
+
+    @triton.jit
+    def _adamw_kernel(
+        Pointers, Numels, BlockTensor, BlockStart, Factor, ModelCarrier,
+        decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+        DECOUPLED: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_MODEL: tl.constexpr, EMULATE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        block = tl.program_id(0)
+        tensor = tl.load(BlockTensor + block).to(tl.int64)
+        index = tl.load(BlockStart + block) + tl.arange(0, BLOCK).to(tl.int64)
+        inside = index < tl.load(Numels + tensor)
+        row = Pointers + tensor * 5
+        Param = tl.load(row).to(tl.pointer_type(tl.float32))
+        Grad = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        ExpAvg = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        ExpAvgSq = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        param = tl.load(Param + index, mask=inside)
+        grad = tl.load(Grad + index, mask=inside)
+        exp_avg = tl.load(ExpAvg + index, mask=inside)
+        exp_avg_sq = tl.load(ExpAvgSq + index, mask=inside)
+        if HAS_FACTOR:  # the clip megatron would have applied to the stored gradient (same fp32 product)
+            grad = grad * tl.load(Factor)
+        # torch's fused Adam(W): decay (decoupled: by lr·wd; else L2 into the gradient), moments, bias-corrected step
+        if DECOUPLED:
+            param = param - decay * param
+        else:
+            grad = grad + decay * param
+        exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
+        exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
+        denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt) + eps
+        param = param - tl.div_rn(step_size * exp_avg, denom)
+        tl.store(Param + index, param, mask=inside)
+        tl.store(ExpAvg + index, exp_avg, mask=inside)
+        tl.store(ExpAvgSq + index, exp_avg_sq, mask=inside)
+        if HAS_MODEL:
+            Model = tl.load(row + 4).to(tl.pointer_type(ModelCarrier.dtype.element_ty))
+            # rounded to nearest-even, as torch's copy_ (emulated under the interpreter, whose cast truncates)
+            tl.store(Model + index, _round(param, ModelCarrier.dtype.element_ty, EMULATE), mask=inside)

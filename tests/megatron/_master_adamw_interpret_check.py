@@ -1,0 +1,124 @@
+"""Run under TRITON_INTERPRET=1 in a subprocess: the one-pass mixed-precision AdamW on CPU against torch.
+
+1. The pass alone against torch's AdamW / Adam (L2) on tensors of several sizes (partial blocks, several blocks),
+   with and without a clip factor and a bf16 model copy, over three steps.
+2. Through megatron: a tiny GPT in bf16 with clipping active, trained with the pass installed and without; the
+   losses and every master weight agree, the clip factor was left with the pass, and the model copy matches.
+"""
+
+import datetime
+import os
+
+import torch
+
+from tests.interpreter import patch_for_numpy_2_5
+
+patch_for_numpy_2_5()
+
+from megatron_muon.megatron import master_adamw  # noqa: E402
+from megatron_muon.testing.pool import free_port  # noqa: E402
+
+TOLERANCE = dict(rtol=2e-6, atol=1e-7)  # the interpreter computes some fp32 products in fp64; torch does not
+
+
+def check_the_pass_alone():
+    g = torch.Generator().manual_seed(0)
+    sizes = [(3, 5), (master_adamw.BLOCK + 17,), (2, master_adamw.BLOCK)]
+    for optimizer_class in (torch.optim.AdamW, torch.optim.Adam):
+        for factor in (None, 0.3):
+            mains = [torch.randn(size, generator=g) for size in sizes]
+            reference = [m.clone() for m in mains]
+            models = [m.bfloat16() for m in mains[:2]]  # the last one has no model copy (an fp32 model param)
+            options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+            model_of = {id(main): model for main, model in zip(mains, models)}
+            ours = master_adamw.OnePassAdamW(optimizer_class(mains, **options), model_of)
+            torch_optimizer = optimizer_class(reference, **options)
+            for _ in range(3):
+                grads = [torch.randn(m.shape, generator=g) for m in mains]
+                for main, ref, grad in zip(mains, reference, grads):
+                    main.grad = grad.clone()
+                    ref.grad = grad * factor if factor is not None else grad.clone()
+                ours.pending = None if factor is None else torch.tensor([factor])
+                assert ours.run() and ours.pending is None
+                torch_optimizer.step()
+            for main, ref in zip(mains, reference):
+                torch.testing.assert_close(main, ref, **TOLERANCE)
+                ours_state, torch_state = ours.inner.state[main], torch_optimizer.state[ref]
+                assert float(ours_state["step"]) == float(torch_state["step"]) == 3.0
+                for key in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(ours_state[key], torch_state[key], **TOLERANCE)
+            for model, main in zip(models, mains):  # the model copy is the master weight rounded as torch rounds
+                assert torch.equal(model, main.bfloat16())
+
+
+def _train_tiny_gpt(install: bool, steps: int = 2):
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.testing.training import build_training_setup, train_step
+
+    import megatron_muon
+
+    megatron_muon.register()  # as the training loop: the grad norm and the clip factor stay on the device
+    init_model_parallel(1, 1)
+    torch.manual_seed(0)
+    model, optimizer = build_training_setup("adam", bf16=True, lr=1e-2, clip_grad=0.05)  # every step clipped
+    installed = master_adamw.install_master_adamw(optimizer) if install else 0
+    deferred = []
+    if install:
+        owner = _float16_part(optimizer).one_pass_adamw
+        run = owner.run
+        owner.run = lambda: (deferred.append(owner.pending is not None), run())[1]
+    losses = [train_step(model, optimizer, step) for step in range(steps)]
+    model_copies = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
+    return installed, deferred, losses, model_copies, optimizer
+
+
+def _float16_part(optimizer):
+    """megatron returns a ChainedOptimizer even around a single mixed-precision optimizer."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])[0]
+
+
+def _masters(optimizer):
+    return [p for group in _float16_part(optimizer).fp32_from_float16_groups for p in group]
+
+
+def _moments(optimizer):
+    inner = _float16_part(optimizer).optimizer
+    return [inner.state[p][key] for group in inner.param_groups for p in group["params"]
+            for key in ("exp_avg", "exp_avg_sq")]
+
+
+def check_through_megatron():
+    from megatron_muon._cpu import enable_cpu_mode
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+    enable_cpu_mode(nan_empty=True)
+    _, _, reference_losses, _, reference_optimizer = _train_tiny_gpt(install=False)
+    from megatron_muon.testing.parallel import destroy_model_parallel
+
+    destroy_model_parallel()
+    installed, deferred, losses, model_copies, optimizer = _train_tiny_gpt(install=True)
+    assert installed == 1 and deferred == [True] * len(losses), (installed, deferred)
+    # Two steps: later, an ulp of fp32 rounding (ours vs torch's foreach AdamW) that moves a bf16 model weight across
+    # a rounding boundary changes the next gradients, and Adam turns a sign flip of a tiny gradient into ~lr
+    torch.testing.assert_close(losses, reference_losses, rtol=1e-6, atol=0)
+    for ours, expected in zip(_masters(optimizer), _masters(reference_optimizer)):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+    # Adam's update barely depends on the gradient scale; its moments do: the clip factor was applied
+    for ours, expected in zip(_moments(optimizer), _moments(reference_optimizer)):
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-10)
+    part = _float16_part(optimizer)
+    for mains, models in zip(part.fp32_from_float16_groups, part.float16_groups):
+        for main, model in zip(mains, models):  # the pass wrote every model copy
+            assert torch.equal(model.detach(), main.detach().bfloat16())
+    assert model_copies
+
+
+def main():
+    check_the_pass_alone()
+    check_through_megatron()
+    print("interpreter ok")
+
+
+if __name__ == "__main__":
+    main()

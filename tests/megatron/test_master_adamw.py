@@ -1,0 +1,118 @@
+"""The one-pass mixed-precision AdamW (clip factor, AdamW, 16-bit model copy) against megatron's three passes."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.interpreter import run_under_interpreter
+
+
+def test_pass_and_megatron_integration_under_triton_interpreter():
+    """The pass against torch's AdamW and Adam (L2) with and without a clip factor and model copies; then a bf16
+    tiny GPT trained through megatron with clipping on every step, with the pass and without (see the script)."""
+    pytest.importorskip("triton", reason="the interpreter comes with Triton")
+    run_under_interpreter(Path(__file__).with_name("_master_adamw_interpret_check.py"), timeout=400)
+
+
+class _Float16Wrapper:
+    """The attributes of megatron's Float16OptimizerWithFloat16Params that `_attach` reads and replaces."""
+
+    def __init__(self, inner, models):
+        self.optimizer, self.float16_groups = inner, [models]
+        self.fp32_from_float16_groups = [inner.param_groups[0]["params"]]
+        self.prepared = 0
+
+    def prepare_grads(self):
+        self.prepared += 1
+        return False
+
+    def step_with_ready_grads(self):
+        return self.optimizer.step()
+
+
+def _clip_rules(rank, world_size):
+    import megatron_muon
+    from megatron_muon.megatron import master_adamw
+
+    megatron_muon.register()  # the device-side clip megatron's path takes for a tensor norm
+
+    masters = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
+    wrapper = _Float16Wrapper(torch.optim.AdamW(masters), [m.detach().bfloat16() for m in masters])
+    one_pass = master_adamw._attach(wrapper)
+    master_adamw._install_clip_deferral()
+    from megatron.core.optimizer import clip_grads
+
+    grads = [torch.randn(4, 3) for _ in masters]
+    for master, grad in zip(masters, grads):
+        master.grad = grad.clone()
+    results = {}
+    clip_grads.clip_grad_by_total_norm_fp32(masters, 1.0, torch.tensor([4.0]))  # all of them: deferred
+    results["deferred"] = one_pass.pending is not None and all(torch.equal(m.grad, g) for m, g in zip(masters, grads))
+    results["factor"] = float(one_pass.pending)
+    clip_grads.clip_grad_by_total_norm_fp32(masters[:1], 1.0, torch.tensor([2.0]))  # a subset: multiplied now
+    results["subset_multiplied"] = torch.allclose(masters[0].grad, grads[0] * 0.5) and torch.equal(
+        masters[1].grad, grads[1])
+    clip_grads.clip_grad_by_total_norm_fp32(masters, 1.0, 0.5)  # a host norm below max_norm: nothing happens
+    results["unclipped_host_norm_kept_pending"] = float(one_pass.pending) == results["factor"]
+    wrapper.prepare_grads()
+    results["cleared_by_next_step"] = one_pass.pending is None and wrapper.prepared == 1
+    clip_grads.clip_grad_by_total_norm_fp32([torch.nn.Parameter(torch.ones(2))], 1.0, 4.0)  # not claimed: megatron
+    return results
+
+
+def test_clip_is_deferred_only_for_exactly_the_claimed_params(rank_pool_1):
+    (results,) = rank_pool_1.run(_clip_rules)
+    assert results["deferred"] and results["factor"] == pytest.approx(1.0 / (4.0 + 1e-6))
+    assert results["subset_multiplied"] and results["unclipped_host_norm_kept_pending"]
+    assert results["cleared_by_next_step"]
+
+
+def _install_on_cpu(rank, world_size):
+    from megatron_muon.megatron.master_adamw import install_master_adamw
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.testing.training import build_training_setup
+
+    init_model_parallel(1, 1)
+    _, optimizer = build_training_setup("adam", bf16=True)
+    return install_master_adamw(optimizer)
+
+
+def test_nothing_is_installed_where_triton_does_not_run(rank_pool_1):
+    assert rank_pool_1.run(_install_on_cpu) == [0]  # CPU tensors outside the interpreter keep megatron's path
+
+
+def _train_on_gpu(rank, world_size, install: bool):
+    import megatron_muon
+    from megatron_muon.megatron.master_adamw import install_master_adamw
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.testing.training import build_training_setup, train_step
+
+    megatron_muon.register()
+    init_model_parallel(1, 1)
+    torch.manual_seed(0)
+    model, optimizer = build_training_setup("adam", bf16=True, lr=1e-2, clip_grad=0.05)
+    installed = install_master_adamw(optimizer) if install else 0
+    losses = [train_step(model, optimizer, step) for step in range(2)]
+    part = optimizer.chained_optimizers[0]
+    masters = [p.detach().cpu() for group in part.fp32_from_float16_groups for p in group]
+    copies_exact = all(torch.equal(model_param.detach(), master.detach().bfloat16())
+                       for models, mains in zip(part.float16_groups, part.fp32_from_float16_groups)
+                       for model_param, master in zip(models, mains))
+    moments = [part.optimizer.state[p]["exp_avg"].cpu() for group in part.fp32_from_float16_groups for p in group]
+    return installed, losses, masters, moments, copies_exact
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_the_pass_equals_megatrons_three_passes(rank_pool_1):
+    """Two clipped bf16 steps of a tiny GPT: same losses, master weights and moments within fp32 rounding, and
+    every bf16 model weight is its master rounded as torch rounds."""
+    (reference,) = rank_pool_1.run(_train_on_gpu, False)
+    (ours,) = rank_pool_1.run(_train_on_gpu, True)
+    assert ours[0] == 1 and ours[4]
+    torch.testing.assert_close(ours[1], reference[1], rtol=1e-6, atol=0)
+    for got, want in zip(ours[2], reference[2]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for got, want in zip(ours[3], reference[3]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-10)
