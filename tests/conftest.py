@@ -1,4 +1,5 @@
-"""Shared fixtures: one persistent gloo rank pool per world size (started once, reused by every test)."""
+"""Shared fixtures: one persistent gloo rank pool per world size (started once, reused by every test), and megatron's
+model-parallel state over this process's GPU for GPU tests that run in-process."""
 
 import pytest
 import torch
@@ -32,6 +33,22 @@ def rank_pool_2() -> RankPool:
 @pytest.fixture
 def rank_pool_4() -> RankPool:
     return _pool(4)
+
+
+@pytest.fixture(scope="module")
+def single_gpu_model_parallel():
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    created = not torch.distributed.is_initialized()
+    if created:
+        torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    yield
+    parallel_state.destroy_model_parallel()
+    if created:
+        torch.distributed.destroy_process_group()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -16,22 +16,6 @@ MAX_ERROR_RATIO = 0.01
 GATE_MAX_ERROR_RATIO = 0.02
 
 
-@pytest.fixture(scope="module")
-def single_gpu_model_parallel():
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    created = not torch.distributed.is_initialized()
-    if created:
-        torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        torch.distributed.destroy_process_group()
-
-
 def _layer():
     import torch.nn.functional as F
     from megatron.core.process_groups_config import ProcessGroupCollection

@@ -82,35 +82,35 @@ def test_nothing_is_installed_where_triton_does_not_run(rank_pool_1):
     assert rank_pool_1.run(_install_on_cpu) == [0]  # CPU tensors outside the interpreter keep megatron's path
 
 
-def _train_on_gpu(rank, world_size, install: bool):
+def _train_on_gpu(install: bool):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
     import megatron_muon
     from megatron_muon.megatron.master_adamw import install_master_adamw
-    from megatron_muon.testing.parallel import init_model_parallel
     from megatron_muon.testing.training import build_training_setup, train_step
 
     megatron_muon.register()
-    init_model_parallel(1, 1)
     torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
     model, optimizer = build_training_setup("adam", bf16=True, lr=1e-2, clip_grad=0.05)
     installed = install_master_adamw(optimizer) if install else 0
     losses = [train_step(model, optimizer, step) for step in range(2)]
     part = optimizer.chained_optimizers[0]
-    masters = [p.detach().cpu() for group in part.fp32_from_float16_groups for p in group]
+    masters = [p.detach().clone() for group in part.fp32_from_float16_groups for p in group]
     copies_exact = all(torch.equal(model_param.detach(), master.detach().bfloat16())
                        for models, mains in zip(part.float16_groups, part.fp32_from_float16_groups)
                        for model_param, master in zip(models, mains))
-    moments = [part.optimizer.state[p]["exp_avg"].cpu() for group in part.fp32_from_float16_groups for p in group]
+    moments = [part.optimizer.state[p]["exp_avg"].clone() for group in part.fp32_from_float16_groups for p in group]
     return installed, losses, masters, moments, copies_exact
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_the_gpu_the_pass_equals_megatrons_three_passes(rank_pool_1):
+def test_on_the_gpu_the_pass_equals_megatrons_three_passes(single_gpu_model_parallel):
     """Two clipped bf16 steps of a tiny GPT: same losses, master weights and moments within fp32 rounding, and
     every bf16 model weight is its master rounded as torch rounds."""
-    (reference,) = rank_pool_1.run(_train_on_gpu, False)
-    (ours,) = rank_pool_1.run(_train_on_gpu, True)
-    assert ours[0] == 1 and ours[4]
+    reference, ours = _train_on_gpu(False), _train_on_gpu(True)
+    assert reference[0] == 0 and ours[0] == 1 and ours[4]
     torch.testing.assert_close(ours[1], reference[1], rtol=1e-6, atol=0)
     for got, want in zip(ours[2], reference[2]):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
