@@ -21,6 +21,20 @@ def package_versions() -> dict[str, str]:
     return found
 
 
+def gpu_result_header(title: str, script: str, argv: list[str], details: str) -> list[str]:
+    """The first lines of a GPU kernel result: title, date and device, versions, the command, what was timed."""
+    import datetime
+
+    versions = ", ".join(f"{k} {v}" for k, v in package_versions().items())
+    return [
+        f"# {title}", "",
+        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; device: {torch.cuda.get_device_name()}",
+        f"- {versions}",
+        f"- command: `python benchmarks/{script} {' '.join(argv)}`",
+        f"- {details}",
+    ]
+
+
 def emit_markdown(lines: list[str], out=None) -> str:
     """Print a result and, when `out` is given, write it there (parents created)."""
     from pathlib import Path

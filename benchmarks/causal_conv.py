@@ -10,12 +10,11 @@ bf16, width-4 taps, no bias, no activation (SiLU is fused into the ops after the
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
 import torch
-from bench_env import emit_markdown, package_versions  # benchmarks/ is the script's directory
+from bench_env import emit_markdown, gpu_result_header  # benchmarks/ is the script's directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,14 +55,11 @@ def main() -> None:
                     x, dy, weight, dx, parts, None, seq, channels, x.stride(0), x.stride(1), dy.stride(0),
                     dy.stride(1), dx.stride(0), dx.stride(1), W=width, HAS_BIAS=False, BT=bt, BD=bd, num_warps=warps)
             tiles.append(f"| {bt} × {bd}, {warps} | {do_bench(run, rep=args.reps):.4f} |")
-    versions = ", ".join(f"{k} {v}" for k, v in package_versions().items())
-    lines = [
-        "# Causal depthwise conv (GDN q|k|v, hybrid-1.5B shape)", "",
-        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; device: {torch.cuda.get_device_name()}",
-        f"- {versions}",
-        f"- command: `python benchmarks/causal_conv.py {' '.join(sys.argv[1:])}`",
-        f"- x [1, {seq}, {channels}] bf16 (a slice of [1, {seq}, 9280]), weight [{channels}, {width}]; "
+    lines = gpu_result_header(
+        "Causal depthwise conv (GDN q|k|v, hybrid-1.5B shape)", "causal_conv.py", sys.argv[1:],
+        f"x [1, {seq}, {channels}] bf16 (a slice of [1, {seq}, 9280]), weight [{channels}, {width}]; "
         "triton.testing.do_bench medians (CPU launch time included); the backward includes the dweight reduction",
+    ) + [
         f"- tile chosen by the autotuner: {conv_triton._conv_bwd_tuned.best_config}", "",
         *rows, "", "Backward kernel alone (no dweight reduction), per tile:", "", *tiles,
     ]

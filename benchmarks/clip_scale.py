@@ -10,12 +10,11 @@ is an unclipped step (ours moves nothing), 0.999 a clipped one.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
 import torch
-from bench_env import emit_markdown, package_versions  # benchmarks/ is the script's directory
+from bench_env import emit_markdown, gpu_result_header  # benchmarks/ is the script's directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,15 +56,11 @@ def main() -> None:
         torch_ms = timed_ms(lambda: torch._foreach_mul_(views, scale.reshape(())), args.reps)
         ours_ms = timed_ms(lambda: scale_in_place(views, scale), args.reps)
         rows.append(f"| {factor} | {torch_ms:.3f} | {ours_ms:.3f} | {ours_ms / torch_ms:.3f} |")
-    versions = ", ".join(f"{k} {v}" for k, v in package_versions().items())
-    lines = [
-        "# Gradient clipping's in-place scale (hybrid-1.5B gradients)", "",
-        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; device: {torch.cuda.get_device_name()}",
-        f"- {versions}",
-        f"- command: `python benchmarks/clip_scale.py {' '.join(sys.argv[1:])}`",
-        f"- {len(views)} fp32 views, {sum(v.numel() for v in views) / 1e9:.3f}B elements in one buffer; "
-        "triton.testing.do_bench medians (CPU launch time included)", "", *rows,
-    ]
+    lines = gpu_result_header(
+        "Gradient clipping's in-place scale (hybrid-1.5B gradients)", "clip_scale.py", sys.argv[1:],
+        f"{len(views)} fp32 views, {sum(v.numel() for v in views) / 1e9:.3f}B elements in one buffer; "
+        "triton.testing.do_bench medians (CPU launch time included)",
+    ) + ["", *rows]
     emit_markdown(lines, args.out)
 
 

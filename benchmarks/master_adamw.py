@@ -11,13 +11,12 @@ DDP), bf16 model parameters. Factor 1 is an unclipped step, 0.999 a clipped one.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import sys
 from pathlib import Path
 
 import torch
-from bench_env import emit_markdown, package_versions  # benchmarks/ is the script's directory
+from bench_env import emit_markdown, gpu_result_header  # benchmarks/ is the script's directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -80,16 +79,12 @@ def main() -> None:
     adamw_ms = do_bench(torch_adamw.step, rep=args.reps)
     copy_ms = do_bench(lambda: torch._foreach_copy_(models, masters), rep=args.reps)
     numel = sum(m.numel() for m in masters)
-    versions = ", ".join(f"{k} {v}" for k, v in package_versions().items())
-    lines = [
-        "# Mixed-precision AdamW step: megatron's three passes against one (hybrid-1.5B parameters)", "",
-        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; device: {torch.cuda.get_device_name()}",
-        f"- {versions}",
-        f"- command: `python benchmarks/master_adamw.py {' '.join(sys.argv[1:])}`",
-        f"- {len(masters)} fp32 masters, {numel / 1e9:.3f}B elements; gradients are views of one fp32 buffer; bf16 "
-        "model copies; triton.testing.do_bench medians (CPU launch time included)", "", *rows, "",
-        f"Alone: torch's fused AdamW step {adamw_ms:.3f} ms; the foreach master-to-model copy {copy_ms:.3f} ms.",
-    ]
+    lines = gpu_result_header(
+        "Mixed-precision AdamW step: megatron's three passes against one (hybrid-1.5B parameters)", "master_adamw.py",
+        sys.argv[1:], f"{len(masters)} fp32 masters, {numel / 1e9:.3f}B elements; gradients are views of one fp32 "
+        "buffer; bf16 model copies; triton.testing.do_bench medians (CPU launch time included)",
+    ) + ["", *rows, "", f"Alone: torch's fused AdamW step {adamw_ms:.3f} ms; the foreach master-to-model copy "
+                        f"{copy_ms:.3f} ms."]
     emit_markdown(lines, args.out)
 
 
