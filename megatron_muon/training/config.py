@@ -90,6 +90,7 @@ class OptimizerSection:
     muon_extra_scale_factor: float = 1.0
     muon_split_qkv: bool = True
     muon_tp_mode: str = "blockwise"
+    one_pass_adamw: bool = True  # AdamW's clip factor, update and bf16 model copy in one pass where Triton runs
 
 
 @dataclass

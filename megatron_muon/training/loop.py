@@ -226,7 +226,7 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
     model = wrap_model(module, config, recipe)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     fused_adam_groups = use_fused_torch_adam(optimizer)  # megatron's torch-AdamW fallback, fused on GPUs
-    one_pass_adamw = install_master_adamw(optimizer)  # and clip, AdamW and model copy in one pass where Triton runs
+    one_pass_adamw = install_master_adamw(optimizer) if recipe.optimizer.one_pass_adamw else 0
     scheduler = lr_scheduler(recipe, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss

@@ -87,3 +87,4 @@ def test_under_pipeline_parallelism_the_last_stage_keeps_the_losses(rank_pool_2,
     assert beside["error"] == "RuntimeError: injected failure"
     assert sorted(beside["unlogged_local_losses"]) == ["5", "6"]
     assert all(0.0 < loss < 20.0 for loss in beside["unlogged_local_losses"].values())
+
