@@ -52,6 +52,17 @@ def run_file_name(model: str, precision: str, optimizer: str, layout: tuple[int,
     return f"{model}_{precision}_{optimizer}_tp{tp}pp{pp}dp{dp}.pt"
 
 
+def command(ranks: int | None = None) -> list[str]:
+    """The command line that runs this module: directly, or under torchrun with `ranks` local ranks on a free port."""
+    module = [sys.executable, "-m", "megatron_muon.testing.parity"]
+    if ranks is None:
+        return module
+    from megatron_muon.testing.pool import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), *module[1:]]
+
+
 def check_launch(layout: tuple[int, int, int]) -> None:
     """Fail before any process group exists when the launch cannot hold `layout`."""
     from megatron_muon.training.distributed import launched_world_size

@@ -7,13 +7,12 @@ tensors only) and GPU kernels on every rank. Run on a machine with two or more G
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_muon.testing import free_port
+from megatron_muon.testing import parity
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multigpu,
@@ -23,9 +22,7 @@ pytestmark = [pytest.mark.multigpu,
 def _parity(*args: str, ranks: int) -> subprocess.CompletedProcess:
     environment = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks))),
                    "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-                "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_muon.testing.parity"]
-    result = subprocess.run(launcher + list(args), cwd=REPO_ROOT, env=environment, capture_output=True, text=True,
+    result = subprocess.run(parity.command(ranks) + list(args), cwd=REPO_ROOT, env=environment, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -36,7 +33,7 @@ def test_two_gpu_layouts_match_the_one_gpu_run(tmp_path, precision):
     common = ("--model", "gpt", "--precision", precision, "--optimizer", "dist_muon", "--out", str(tmp_path))
     _parity("run", "--layout", "1,1,1", *common, ranks=1)
     _parity("run", "--layout", "1,1,2", "2,1,1", "1,2,1", *common, ranks=2)
-    compared = subprocess.run([sys.executable, "-m", "megatron_muon.testing.parity", "compare", str(tmp_path)],
+    compared = subprocess.run([*parity.command(), "compare", str(tmp_path)],
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert compared.returncode == 0, compared.stdout + compared.stderr
     assert compared.stdout.count(" ok ") == 3, compared.stdout

@@ -6,13 +6,12 @@ shard and pipeline stage to rank 0, the comparison and its exit code) is checked
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_muon.testing import free_port, parity
+from megatron_muon.testing import parity
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
@@ -25,12 +24,7 @@ def _environment() -> dict:
 
 
 def _parity(*args: str, ranks: int | None = None) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "megatron_muon.testing.parity"]
-    if ranks is not None:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                    "-m", "megatron_muon.testing.parity"]
-    return subprocess.run(launcher + list(args), cwd=REPO_ROOT, env=_environment(), capture_output=True, text=True,
+    return subprocess.run(parity.command(ranks) + list(args), cwd=REPO_ROOT, env=_environment(), capture_output=True, text=True,
                           timeout=300)
 
 
