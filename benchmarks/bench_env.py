@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from importlib import metadata
 
 import torch
@@ -19,6 +20,27 @@ def package_versions() -> dict[str, str]:
     if torch.cuda.is_available():
         found["cudnn"] = str(torch.backends.cudnn.version())
     return found
+
+
+# The hybrid-1.5B's Megatron-fused matrix shapes (DESIGN.md's reference set)
+REFERENCE_SHAPES = ((9228, 2048), (2048, 3072), (3072, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
+
+
+def views_of_one_buffer(total: int, device, gap: int = 0, scale: float = 1.0) -> list[torch.Tensor]:
+    """The reference shapes, cycled, as views of one random buffer (as megatron's DDP lays out gradients), `gap`
+    elements apart, until the next would pass `total` elements (gaps included)."""
+    shapes, used = [], 0
+    for rows, cols in itertools.cycle(REFERENCE_SHAPES):
+        if used + rows * cols > total:
+            break
+        shapes.append((rows, cols))
+        used += rows * cols + gap
+    buffer = torch.randn(used, device=device) * scale
+    views, offset = [], 0
+    for rows, cols in shapes:
+        views.append(buffer[offset : offset + rows * cols].view(rows, cols))
+        offset += rows * cols + gap
+    return views
 
 
 def gpu_result_header(title: str, script: str, argv: list[str], details: str) -> list[str]:

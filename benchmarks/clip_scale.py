@@ -14,25 +14,13 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_env import emit_markdown, gpu_result_header  # benchmarks/ is the script's directory
+from bench_env import emit_markdown, gpu_result_header, views_of_one_buffer  # benchmarks/ is the script's directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_muon.megatron.clip_scale import scale_in_place  # noqa: E402
 
-SHAPES = [9228 * 2048, 2048 * 3072, 3072 * 2048, 2048 * 2048, 11264 * 2048, 2048 * 5632]
 GAP = 64
-
-
-def gradient_views(total: int, device) -> list[torch.Tensor]:
-    buffer = torch.randn(total, device=device)
-    views, offset = [], 0
-    while True:
-        for size in SHAPES:
-            if offset + size > total:
-                return views
-            views.append(buffer[offset : offset + size])
-            offset += size + GAP
 
 
 def timed_ms(fn, reps: int) -> float:
@@ -49,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("clip_scale.py times CUDA kernels; run it on a GPU machine")
-    views = gradient_views(args.elements, "cuda")
+    views = views_of_one_buffer(args.elements, "cuda", gap=GAP)
     rows = ["| factor | torch `_foreach_mul_` ms | ours ms | ours / torch |", "|---:|---:|---:|---:|"]
     for factor in (1.0, 0.999):
         scale = torch.tensor([factor], device="cuda")

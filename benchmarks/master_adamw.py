@@ -11,35 +11,21 @@ DDP), bf16 model parameters. Factor 1 is an unclipped step, 0.999 a clipped one.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
 import torch
-from bench_env import emit_markdown, gpu_result_header  # benchmarks/ is the script's directory
+from bench_env import emit_markdown, gpu_result_header, views_of_one_buffer  # benchmarks/ is the script's directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_muon.megatron.clip_scale import scale_in_place  # noqa: E402
 from megatron_muon.megatron.master_adamw import OnePassAdamW  # noqa: E402
 
-SHAPES = [(9228, 2048), (2048, 3072), (3072, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]
-
-
 def parameters(total: int):
     """(fp32 masters, fp32 gradient views of one buffer, bf16 model copies) of about `total` elements."""
-    shapes, count = [], 0
-    for shape in itertools.cycle(SHAPES):
-        if count + shape[0] * shape[1] > total:
-            break
-        shapes.append(shape)
-        count += shape[0] * shape[1]
-    masters = [torch.randn(shape, device="cuda") * 0.02 for shape in shapes]
-    buffer = torch.randn(count, device="cuda") * 1e-3
-    grads, offset = [], 0
-    for master in masters:
-        grads.append(buffer[offset : offset + master.numel()].view(master.shape))
-        offset += master.numel()
+    grads = views_of_one_buffer(total, "cuda", scale=1e-3)
+    masters = [torch.randn(grad.shape, device="cuda") * 0.02 for grad in grads]
     return masters, grads, [m.bfloat16() for m in masters]
 
 

@@ -25,6 +25,7 @@ import weakref
 
 import torch
 
+from megatron_muon.megatron import clip_scale
 from megatron_muon.optimizer.fused_elementwise import _INTERPRETING, supported
 
 try:
@@ -88,19 +89,22 @@ def _attach(wrapper) -> OnePassAdamW:
     return one_pass
 
 
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
 def _qualifies(wrapper) -> bool:
     inner = wrapper.optimizer
     if triton is None or type(inner) not in (torch.optim.AdamW, torch.optim.Adam) or wrapper.is_stub_optimizer:
         return False
     if getattr(wrapper.config, "reuse_grad_buf_for_mxfp8_param_ag", False):
         return False
-    params = [p for group in inner.param_groups for p in group["params"]]
-    return bool(params) and all(
-        not group.get(flag) for group in inner.param_groups for flag in ("amsgrad", "maximize", "capturable",
-                                                                           "differentiable")
-    ) and all(not isinstance(group["lr"], torch.Tensor) for group in inner.param_groups) and all(
-        p.dtype == torch.float32 and p.is_contiguous() and supported(p.device) for p in params
-    )
+    groups = inner.param_groups
+    if any(group.get(flag) for group in groups for flag in _UNSUPPORTED_FLAGS):
+        return False
+    if any(isinstance(group["lr"], torch.Tensor) for group in groups):
+        return False
+    params = [p for group in groups for p in group["params"]]
+    return bool(params) and all(p.dtype == torch.float32 and p.is_contiguous() and supported(p.device) for p in params)
 
 
 class OnePassAdamW:
@@ -121,7 +125,8 @@ class OnePassAdamW:
         """Multiply the gradients by the pending clip factor (for megatron's own path)."""
         if self.pending is not None:
             grads = [p.grad for group in self.inner.param_groups for p in group["params"] if p.grad is not None]
-            torch._foreach_mul_(grads, self.pending.reshape(()))
+            if not clip_scale.scale_in_place(grads, self.pending):  # megatron's own clip kernel (tensor_fallbacks)
+                torch._foreach_mul_(grads, self.pending.reshape(()))
             self.pending = None
 
     def run(self) -> bool:
