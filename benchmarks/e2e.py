@@ -60,6 +60,7 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_muon.megatron.fused_adam import use_fused_torch_adam
+    from megatron_muon.megatron import clip_deferral
     from megatron_muon.megatron.master_adamw import install_master_adamw
     from megatron_muon.training.loop import optimizer_config
     from megatron_muon.training.model import build_model, transformer_config, wrap_model
@@ -84,6 +85,8 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
         use_fused_torch_adam(optimizer)
     if rung.one_pass_adamw:
         install_master_adamw(optimizer)
+    if rung.muon_clip_in_momentum:
+        clip_deferral.install_for_muon(optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, config

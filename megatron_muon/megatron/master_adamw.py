@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import torch
 
-from megatron_muon.megatron import clip_scale
+from megatron_muon.megatron import clip_deferral, clip_scale
 from megatron_muon.optimizer.fused_elementwise import _INTERPRETING, supported
 
 try:
@@ -37,9 +36,6 @@ except ImportError:  # install_master_adamw installs nothing
     triton = None
 
 BLOCK = 2048
-_OWNER = "_megatron_muon_one_pass_adamw"  # on each claimed master param: a weakref to its OnePassAdamW
-_CLIP_MODULES = ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer")
-_original_clip = None
 
 
 def install_master_adamw(optimizer) -> int:
@@ -52,7 +48,7 @@ def install_master_adamw(optimizer) -> int:
             _attach(part)
             installed += 1
     if installed:
-        _install_clip_deferral()
+        clip_deferral.install()
     return installed
 
 
@@ -61,15 +57,8 @@ def _attach(wrapper) -> OnePassAdamW:
     model_of = {id(main): model for models, mains in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups)
                 for model, main in zip(models, mains)}
     one_pass = OnePassAdamW(wrapper.optimizer, model_of)
-    handle = weakref.ref(one_pass)
-    for group in wrapper.optimizer.param_groups:
-        for param in group["params"]:
-            setattr(param, _OWNER, handle)
-    original_prepare, original_step = wrapper.prepare_grads, wrapper.step_with_ready_grads
-
-    def prepare_grads():
-        one_pass.pending = None  # a factor left by a step that was skipped never reaches the next one
-        return original_prepare()
+    clip_deferral.claim(wrapper, one_pass)
+    original_step = wrapper.step_with_ready_grads
 
     def step_with_ready_grads():
         config = getattr(wrapper, "config", None)
@@ -84,7 +73,7 @@ def _attach(wrapper) -> OnePassAdamW:
         one_pass.apply_pending()
         return original_step()
 
-    wrapper.prepare_grads, wrapper.step_with_ready_grads = prepare_grads, step_with_ready_grads
+    wrapper.step_with_ready_grads = step_with_ready_grads
     wrapper.one_pass_adamw = one_pass  # lives as long as the wrapper
     return one_pass
 
@@ -214,47 +203,6 @@ def _tables(device: torch.device, rows: tuple[tuple[int, ...], ...]):
     block_tensor = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(blocks_per))
     block_start = torch.cat([torch.arange(0, row[5], BLOCK, dtype=torch.int64) for row in rows])
     return tuple(t.to(device) for t in (pointers, numels, block_tensor, block_start))
-
-
-def _install_clip_deferral() -> None:
-    """Route megatron's clip through `_clip_or_defer` (once per process)."""
-    global _original_clip
-    import importlib
-
-    if _original_clip is not None:
-        return
-    for name in _CLIP_MODULES:
-        module = importlib.import_module(name)
-        _original_clip = _original_clip or module.clip_grad_by_total_norm_fp32
-        module.clip_grad_by_total_norm_fp32 = _clip_or_defer
-
-
-def _clip_or_defer(parameters, max_norm, total_norm, use_decoupled_grad: bool = False):
-    """megatron's clip, except that a call covering exactly one OnePassAdamW's params leaves the factor with it."""
-    owner = None if use_decoupled_grad else _sole_owner(parameters)
-    if owner is None:
-        return _original_clip(parameters, max_norm, total_norm, use_decoupled_grad)
-    factor = max_norm / (total_norm + 1.0e-6)
-    if isinstance(factor, torch.Tensor):
-        owner.pending = factor.reshape(1).float().clamp_max(1.0)
-    elif factor < 1.0:  # a host norm: as megatron, nothing to do when not clipped
-        device = next(iter(owner.inner.param_groups[0]["params"])).device
-        owner.pending = torch.tensor([factor], dtype=torch.float32, device=device)
-    return None
-
-
-def _sole_owner(parameters):
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    with_grads = [p for p in params if p.grad is not None]
-    handles = {getattr(p, _OWNER, None) for p in with_grads}
-    if len(handles) != 1 or None in handles:
-        return None
-    owner = next(iter(handles))()
-    # a second clip of the same step (or a subset, as separate grad-norm groups do) multiplies as megatron does:
-    # factors commute, so the pending one still applies once
-    if owner is None or owner.pending is not None or {id(p) for p in with_grads} != owner.claimed:
-        return None
-    return owner
 
 
 if triton is not None:

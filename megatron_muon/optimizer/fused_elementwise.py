@@ -102,16 +102,20 @@ def _launch(rows: int, cols: int) -> tuple[tuple[int, int], dict]:
     return grid, dict(ROWS=tile_rows, BLOCK=block, num_warps=max(1, min(8, tile_rows * block // 256)))
 
 
-def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool) -> None:
+def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool, grad_factor=None) -> None:
     """buffer ← buffer + (1-β)(grad - buffer) in the buffer's dtype; slot ← the Nesterov blend
-    grad + β(buffer - grad) (or the buffer) in the slot's dtype. One pass per piece on the GPU.
+    grad + β(buffer - grad) (or the buffer) in the slot's dtype. One pass per piece on the GPU. `grad_factor` (a
+    one-element fp32 tensor: megatron's deferred clip) multiplies the gradient as it is read; `grad` is not changed.
 
-    Equals `muon_math.momentum_buffers_update_` followed by `muon_math.nesterov_into_` on the same tensors.
+    Equals `muon_math.momentum_buffers_update_` followed by `muon_math.nesterov_into_` on the same tensors (on
+    grad·grad_factor, rounded to the gradient's dtype, when a factor is given).
     """
     assert grad.shape == buffer.shape == slot.shape, (grad.shape, buffer.shape, slot.shape)
     geometry = _blocks_rows_cols(grad)
     strides = [_strides(t) for t in (grad, buffer, slot)] if geometry is not None else [None]
     if triton is None or any(s is None for s in strides) or not supported(grad.device):
+        if grad_factor is not None:
+            grad = grad * grad_factor.reshape(())
         muon_math.momentum_buffers_update_([grad], [buffer], momentum)
         muon_math.nesterov_into_(grad, buffer, slot, momentum, nesterov)
         return
@@ -122,9 +126,9 @@ def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool) 
     ema_weight, blend_weight = 1.0 - momentum, float(momentum)
     _momentum_kernel[grid](
         grad, buffer, slot, blocks * rows, rows, cols, *strides[0], *strides[1], *strides[2], ema_weight,
-        blend_weight, grad, buffer, 0, EMA_SMALL=_lerp_weight_small(ema_weight),
-        BLEND_SMALL=_lerp_weight_small(blend_weight), NESTEROV=bool(nesterov), EMULATE=_INTERPRETING, PIECES=False,
-        **tile,
+        blend_weight, grad, buffer, 0, grad if grad_factor is None else grad_factor,
+        EMA_SMALL=_lerp_weight_small(ema_weight), BLEND_SMALL=_lerp_weight_small(blend_weight),
+        NESTEROV=bool(nesterov), EMULATE=_INTERPRETING, PIECES=False, HAS_FACTOR=grad_factor is not None, **tile,
     )  # fmt: skip
 
 
@@ -209,9 +213,10 @@ if triton is not None:
         Grad, Buffer, Slot, total_rows, rows, cols,
         grad_block_stride, grad_row_stride, buffer_block_stride, buffer_row_stride,
         slot_block_stride, slot_row_stride,
-        ema_weight, blend_weight, GradOffsets, BufferOffsets, slot_piece_stride,
+        ema_weight, blend_weight, GradOffsets, BufferOffsets, slot_piece_stride, GradFactor,
         EMA_SMALL: tl.constexpr, BLEND_SMALL: tl.constexpr, NESTEROV: tl.constexpr,
         EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PIECES: tl.constexpr,
+        HAS_FACTOR: tl.constexpr,
     ):  # fmt: skip
         if PIECES:  # grid axis 2 walks same-geometry pieces: element offsets from Grad / Buffer, slots stacked
             piece = tl.program_id(2)
@@ -227,6 +232,8 @@ if triton is not None:
         blend_weight = _fp32_scalar(blend_weight, EMULATE)
         buffer_dtype: tl.constexpr = Buffer.dtype.element_ty
         grad_dtype: tl.constexpr = Grad.dtype.element_ty
+        if HAS_FACTOR:  # the clip megatron would have stored into the gradient: the product in its dtype
+            grad = _through(grad * tl.load(GradFactor), grad_dtype, EMULATE)
         if buffer_dtype != grad_dtype:  # torch lerps the gradient cast to the buffer's dtype
             new = _lerp(buffer, _through(grad, buffer_dtype, EMULATE), ema_weight, EMA_SMALL, EMULATE)
         else:

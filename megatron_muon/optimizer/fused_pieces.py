@@ -72,7 +72,7 @@ def _qualify(varied: list[list[torch.Tensor]], stacked: list[torch.Tensor]):
     return None if any(t is None for t in tables) else (geometry, strides, tables, spacing)
 
 
-def momentum_into_slots_(grads, buffers, slots, *, momentum: float, nesterov: bool) -> bool:
+def momentum_into_slots_(grads, buffers, slots, *, momentum: float, nesterov: bool, grad_factor=None) -> bool:
     """`fused_elementwise.momentum_into_slot_` on every (grad, buffer, slot) triple in one launch; `slots` must
     be evenly spaced slices of one stacked tensor. False (nothing done) when the pieces do not qualify."""
     qualified = _qualify([list(grads), list(buffers)], list(slots))
@@ -84,8 +84,9 @@ def momentum_into_slots_(grads, buffers, slots, *, momentum: float, nesterov: bo
     single._momentum_kernel[(*grid, len(grads))](
         grads[0], buffers[0], slots[0], blocks * rows, rows, cols, *strides[0], *strides[1], *strides[2],
         ema_weight, blend_weight, grad_offsets, buffer_offsets, slot_spacing,
-        EMA_SMALL=single._lerp_weight_small(ema_weight), BLEND_SMALL=single._lerp_weight_small(blend_weight),
-        NESTEROV=bool(nesterov), EMULATE=single._INTERPRETING, PIECES=True, **tile,
+        grads[0] if grad_factor is None else grad_factor, EMA_SMALL=single._lerp_weight_small(ema_weight),
+        BLEND_SMALL=single._lerp_weight_small(blend_weight), NESTEROV=bool(nesterov), EMULATE=single._INTERPRETING,
+        PIECES=True, HAS_FACTOR=grad_factor is not None, **tile,
     )  # fmt: skip
     return True
 

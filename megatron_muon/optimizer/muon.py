@@ -12,7 +12,6 @@ after construction.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -27,6 +26,7 @@ from megatron_muon.optimizer import fused_pieces
 from megatron_muon.optimizer import muon_math
 from megatron_muon.optimizer.routing import (
     MatrixLayout,
+    assert_pieces_cover_params,
     describe,
     matrix_layout,
     piece_as_matrices,
@@ -144,6 +144,9 @@ class Muon(torch.optim.Optimizer):
         fused_passes.check_setting(fused_elementwise)
         self.fused_elementwise = fused_elementwise
         self._plan_cache: tuple[tuple, _Plan] | None = None
+        # megatron's deferred clip (`megatron.clip_deferral`): the next step multiplies each gradient by this
+        # one-element fp32 tensor as it reads it, inside the fused momentum pass where it can
+        self.pending_grad_factor: torch.Tensor | None = None
         super().__init__(params, defaults)
 
     # ---- setup and validation ----
@@ -229,7 +232,7 @@ class Muon(torch.optim.Optimizer):
                 bucket = buckets.setdefault(key, _Bucket(shape, group_of[index], tp_group, partition_dim))
                 bucket.items.append((index, piece_index))
         plan = _Plan(params, group_of, layouts, list(buckets.values()) + singles)
-        _assert_pieces_cover_params(plan)
+        assert_pieces_cover_params([bucket.items for bucket in plan.buckets], plan.params, plan.layouts)
         return plan
 
     def _plan(self, params: list[torch.Tensor], group_of: list[int]) -> _Plan:
@@ -292,10 +295,11 @@ class Muon(torch.optim.Optimizer):
             self._check_grads_finite(params, grads, group_of)
         plan = self._plan(params, group_of)
         fused = fused_passes.use_fused(self.fused_elementwise, params[0].device)
-        sources = self._momentum_sources(params, grads, group_of, fused)
+        factor, self.pending_grad_factor = self.pending_grad_factor, None
+        sources = self._momentum_sources(params, grads, group_of, fused, factor)
         for bucket in plan.buckets:
             with record_function(f"muon.stack_momentum {bucket.shape}"):
-                stacked = self._stack_updates(bucket, plan, sources)
+                stacked = self._stack_updates(bucket, plan, sources, factor)
             # 16-bit parameters keep the stack-dtype result: their rounding then matches the distributed owners'.
             narrow = all(params[index].dtype == torch.float32 for index, _ in bucket.items)
             with record_function(f"muon.orthogonalize {bucket.shape}"):
@@ -317,22 +321,25 @@ class Muon(torch.optim.Optimizer):
                     self._apply_updates(owner, group_targets, chunks, scale, fused)
         return loss
 
-    def _momentum_sources(self, params, grads, group_of, fused: bool) -> list[_Source]:
+    def _momentum_sources(self, params, grads, group_of, fused: bool, factor) -> list[_Source]:
         """Gradients (l2 applied) and buffers per parameter. Unfused, the momentum EMA and the weight decay run
-        here, foreach per param group; fused, the per-piece passes do both (l2 groups keep the foreach EMA)."""
+        here, foreach per param group; fused, the per-piece passes do both (l2 groups keep the foreach EMA). A
+        pending clip factor multiplies, in place and first, the gradients no fused momentum pass reads."""
         sources: list[_Source | None] = [None] * len(params)
         for group_index, group in enumerate(self.param_groups):
             members = [i for i, g in enumerate(group_of) if g == group_index]
             if not members:
                 continue
             group_params = [params[i] for i in members]
-            group_grads = [grads[i] for i in members]
-            if group["weight_decay_mode"] == "l2":
-                group_grads = muon_math.l2_regularized(group_grads, group_params, group["weight_decay"])
             buffers = [self._momentum_buffer(p) for p in group_params]
             # Piece views alias only a contiguous buffer; any other takes the foreach EMA.
             pending = [fused and group["weight_decay_mode"] != "l2" and b.is_contiguous() for b in buffers]
             eager = [k for k, p in enumerate(pending) if not p]
+            if factor is not None and eager:  # as megatron: clipped before l2 is added
+                torch._foreach_mul_([grads[members[k]] for k in eager], factor.reshape(()))
+            group_grads = [grads[i] for i in members]
+            if group["weight_decay_mode"] == "l2":
+                group_grads = muon_math.l2_regularized(group_grads, group_params, group["weight_decay"])
             muon_math.momentum_buffers_update_([group_grads[k] for k in eager], [buffers[k] for k in eager],
                                                group["momentum"])
             for i, grad, buffer, ema_pending in zip(members, group_grads, buffers, pending):
@@ -359,7 +366,7 @@ class Muon(torch.optim.Optimizer):
     def _stack_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return muon_math.stack_dtype(grad_dtype, self.compute_dtype)
 
-    def _stack_updates(self, bucket: _Bucket, plan: _Plan, sources) -> torch.Tensor:
+    def _stack_updates(self, bucket: _Bucket, plan: _Plan, sources, factor) -> torch.Tensor:
         """The bucket's momentum updates as one [b, rows, cols] NS input, each blended straight into its slot."""
         pieces = []
         for index, piece_index in bucket.items:
@@ -382,18 +389,9 @@ class Muon(torch.optim.Optimizer):
                 muon_math.nesterov_into_(grad_piece, buffer_piece, slot, group["momentum"], group["nesterov"])
         for group_index, run in fused_pieces.runs_by_group(pending):
             options = {key: self.param_groups[group_index][key] for key in ("momentum", "nesterov")}
+            options["grad_factor"] = factor
             if not fused_pieces.momentum_into_slots_(*zip(*run), **options):  # one launch for the whole run
                 for grad_piece, buffer_piece, slot in run:
                     fused_passes.momentum_into_slot_(grad_piece, buffer_piece, slot, **options)
         return stacked
 
-
-def _assert_pieces_cover_params(plan: _Plan) -> None:
-    """Every piece of every parameter sits in exactly one bucket and the pieces partition the parameter: the
-    per-piece passes (momentum EMA, weight decay) then touch each element exactly once per step."""
-    seen = Counter(item for bucket in plan.buckets for item in bucket.items)
-    for index, (param, layout) in enumerate(zip(plan.params, plan.layouts)):
-        pieces = piece_views(param, layout)
-        assert all(seen[(index, k)] == 1 for k in range(len(pieces))), f"pieces of parameter {index} not bucketed once"
-        assert sum(piece.numel() for piece in pieces) == param.numel(), f"pieces of parameter {index} do not cover it"
-    assert sum(seen.values()) == sum(len(piece_views(p, l)) for p, l in zip(plan.params, plan.layouts))

@@ -10,6 +10,7 @@ here are megatron's (`is_qkv`, `qkv_split_shapes`, `partition_dim`, `tensor_mode
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -143,3 +144,15 @@ def tag_fused_in_proj(module: torch.nn.Module) -> int:
         weight.qkv_split_shapes = [int(s) for s in sections]
         tagged += 1
     return tagged
+
+
+def assert_pieces_cover_params(bucket_items, params, layouts) -> None:
+    """Every piece of every parameter sits in exactly one bucket (`bucket_items`: per bucket, (param index, piece
+    index) pairs) and the pieces partition the parameter: the per-piece passes (momentum EMA, weight decay) then
+    touch each element exactly once per step."""
+    seen = Counter(item for items in bucket_items for item in items)
+    for index, (param, layout) in enumerate(zip(params, layouts)):
+        pieces = piece_views(param, layout)
+        assert all(seen[(index, k)] == 1 for k in range(len(pieces))), f"pieces of parameter {index} not bucketed once"
+        assert sum(piece.numel() for piece in pieces) == param.numel(), f"pieces of parameter {index} do not cover it"
+    assert sum(seen.values()) == sum(len(piece_views(p, l)) for p, l in zip(params, layouts))

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from megatron_muon.megatron import clip_deferral
 from megatron_muon.megatron.fused_adam import use_fused_torch_adam
 from megatron_muon.megatron.master_adamw import install_master_adamw
 from megatron_muon.metrics import MfuCalculator, peak_tflops
@@ -227,6 +228,7 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     fused_adam_groups = use_fused_torch_adam(optimizer)  # megatron's torch-AdamW fallback, fused on GPUs
     one_pass_adamw = install_master_adamw(optimizer) if recipe.optimizer.one_pass_adamw else 0
+    muon_clip_folds = clip_deferral.install_for_muon(optimizer) if recipe.optimizer.muon_clip_in_momentum else 0
     scheduler = lr_scheduler(recipe, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -249,7 +251,7 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
             "all_sdpa_flops_per_token": mfu_of.all_attention_flops_per_token, "peak_tflops_per_gpu": peak,
             "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
             "optimizer_classes": optimizer_classes(optimizer), "fused_adam_groups": fused_adam_groups,
-            "one_pass_adamw": one_pass_adamw,
+            "one_pass_adamw": one_pass_adamw, "muon_clip_in_momentum": muon_clip_folds,
         })
     return _Run(model, optimizer, scheduler, batches, mfu_of, tokens_per_step, start_step, output_dir, log)
 

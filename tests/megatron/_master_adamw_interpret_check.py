@@ -4,6 +4,8 @@
    with and without a clip factor and a bf16 model copy, over three steps.
 2. Through megatron: a tiny GPT in bf16 with clipping active, trained with the pass installed and without; the
    losses and every master weight agree, the clip factor was left with the pass, and the model copy matches.
+3. Through megatron with our Muon: the clip factor left with Muon's fused momentum pass gives the same training,
+   bit for bit, as megatron's clip multiply.
 """
 
 import datetime
@@ -114,9 +116,49 @@ def check_through_megatron():
     assert model_copies
 
 
+def _train_muon(fold: bool, steps: int = 3):
+    import megatron_muon
+    from megatron_muon.megatron import clip_deferral
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.testing.training import build_training_setup, train_step
+
+    megatron_muon.register()
+    init_model_parallel(1, 1)
+    torch.manual_seed(0)
+    model, optimizer = build_training_setup("muon", bf16=True, lr=1e-2, clip_grad=0.05)
+    folded = clip_deferral.install_for_muon(optimizer) if fold else 0
+    muon = next(part.optimizer for part in optimizer.chained_optimizers
+                if hasattr(part.optimizer, "pending_grad_factor"))
+    factors = []
+    step = muon.step
+
+    def recording_step(*args, **kwargs):
+        factors.append(muon.pending_grad_factor is not None)
+        return step(*args, **kwargs)
+
+    muon.step = recording_step
+    losses = [train_step(model, optimizer, i) for i in range(steps)]
+    masters = [p.detach().clone() for part in optimizer.chained_optimizers
+               for group in part.fp32_from_float16_groups for p in group]
+    return folded, factors, losses, masters
+
+
+def check_muon_clip_fold():
+    from megatron_muon.testing.parallel import destroy_model_parallel
+
+    destroy_model_parallel()
+    _, reference_factors, reference_losses, reference_masters = _train_muon(fold=False)
+    destroy_model_parallel()
+    folded, factors, losses, masters = _train_muon(fold=True)
+    assert folded == 1 and factors == [True] * len(losses) and reference_factors == [False] * len(losses)
+    assert losses == reference_losses, (losses, reference_losses)
+    assert all(torch.equal(a, b) for a, b in zip(masters, reference_masters))
+
+
 def main():
     check_the_pass_alone()
     check_through_megatron()
+    check_muon_clip_fold()
     print("interpreter ok")
 
 

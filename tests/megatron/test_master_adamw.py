@@ -1,4 +1,5 @@
-"""The one-pass mixed-precision AdamW (clip factor, AdamW, 16-bit model copy) against megatron's three passes."""
+"""The one-pass mixed-precision AdamW (clip factor, AdamW, 16-bit model copy) against megatron's three passes, and
+the clip factor inside our Muon's momentum pass against megatron's clip multiply."""
 
 from pathlib import Path
 
@@ -10,7 +11,8 @@ from tests.interpreter import run_under_interpreter
 
 def test_pass_and_megatron_integration_under_triton_interpreter():
     """The pass against torch's AdamW and Adam (L2) with and without a clip factor and model copies; then a bf16
-    tiny GPT trained through megatron with clipping on every step, with the pass and without (see the script)."""
+    tiny GPT trained through megatron with clipping on every step, with the pass and without, and with our Muon
+    taking the clip factor in its momentum pass and without (see the script)."""
     pytest.importorskip("triton", reason="the interpreter comes with Triton")
     run_under_interpreter(Path(__file__).with_name("_master_adamw_interpret_check.py"), timeout=400)
 
@@ -33,14 +35,14 @@ class _Float16Wrapper:
 
 def _clip_rules(rank, world_size):
     import megatron_muon
-    from megatron_muon.megatron import master_adamw
+    from megatron_muon.megatron import clip_deferral, master_adamw
 
     megatron_muon.register()  # the device-side clip megatron's path takes for a tensor norm
 
     masters = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
     wrapper = _Float16Wrapper(torch.optim.AdamW(masters), [m.detach().bfloat16() for m in masters])
     one_pass = master_adamw._attach(wrapper)
-    master_adamw._install_clip_deferral()
+    clip_deferral.install()
     from megatron.core.optimizer import clip_grads
 
     grads = [torch.randn(4, 3) for _ in masters]
@@ -116,3 +118,44 @@ def test_on_the_gpu_the_pass_equals_megatrons_three_passes(single_gpu_model_para
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     for got, want in zip(ours[3], reference[3]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-10)
+
+
+def _muon_fold_on_cpu(rank, world_size):
+    from megatron_muon.megatron import clip_deferral
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.testing.training import build_training_setup
+
+    init_model_parallel(1, 1)
+    _, optimizer = build_training_setup("muon", bf16=True)
+    return clip_deferral.install_for_muon(optimizer)
+
+
+def test_the_muon_clip_fold_needs_the_fused_momentum_pass(rank_pool_1):
+    assert rank_pool_1.run(_muon_fold_on_cpu) == [0]  # on CPU Muon's momentum is foreach: megatron keeps the clip
+
+
+def _train_muon_on_gpu(fold: bool):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron_muon
+    from megatron_muon.megatron import clip_deferral
+    from megatron_muon.testing.training import build_training_setup, train_step
+
+    megatron_muon.register()
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    model, optimizer = build_training_setup("muon", bf16=True, lr=1e-2, clip_grad=0.05)
+    folded = clip_deferral.install_for_muon(optimizer) if fold else 0
+    losses = [train_step(model, optimizer, step) for step in range(3)]
+    masters = [p.detach().clone() for part in optimizer.chained_optimizers
+               for group in part.fp32_from_float16_groups for p in group]
+    return folded, losses, masters
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_the_muon_clip_fold_trains_bit_for_bit_as_megatrons_clip(single_gpu_model_parallel):
+    reference, folded = _train_muon_on_gpu(False), _train_muon_on_gpu(True)
+    assert reference[0] == 0 and folded[0] == 1
+    assert folded[1] == reference[1]
+    assert all(torch.equal(a, b) for a, b in zip(folded[2], reference[2]))

@@ -81,6 +81,33 @@ def check_decay_and_update(generator) -> None:
                       "one rounding plus the rounded alpha")
 
 
+def check_clip_factor(generator) -> None:
+    """A grad_factor gives what megatron's clip (grad *= factor, in the gradient's dtype) followed by the unfactored
+    pass gives, bit for bit, per piece and in one launch; the gradient itself is left as it was."""
+    factor = torch.tensor([0.37])
+    for grad_dtype, buffer_dtype, slot_dtype in [(torch.float32, torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32, torch.float16)]:
+        grads = [torch.randn(3, 12, 37, generator=generator).to(grad_dtype)[:, 2:8] for _ in range(3)]
+        before = [g.clone() for g in grads]
+        buffers = [torch.randn(3, 12, 37, generator=generator).to(buffer_dtype)[:, 2:8] for _ in range(3)]
+        clipped = [g * factor.to(g.dtype) if g.dtype == torch.float32 else (g.float() * factor).to(g.dtype)
+                   for g in grads]
+        expected_buffers, piece_buffers = [b.clone() for b in buffers], [b.clone() for b in buffers]
+        expected, piece_slots, stacked = (torch.empty(3, 3, 6, 37, dtype=slot_dtype) for _ in range(3))
+        for grad, buffer, slot in zip(clipped, expected_buffers, expected):
+            fused_elementwise.momentum_into_slot_(grad, buffer, slot, momentum=0.95, nesterov=True)
+        for grad, buffer, slot in zip(grads, piece_buffers, piece_slots):
+            fused_elementwise.momentum_into_slot_(grad, buffer, slot, momentum=0.95, nesterov=True, grad_factor=factor)
+        done = fused_pieces.momentum_into_slots_(grads, buffers, list(stacked), momentum=0.95, nesterov=True,
+                                                 grad_factor=factor)
+        case = f"clip factor: grad {grad_dtype} buffer {buffer_dtype} slot {slot_dtype}"
+        check(done, f"{case}: not taken as one launch")
+        for got_buffers, got_slots, how in ((piece_buffers, piece_slots, "per piece"), (buffers, stacked, "pieces")):
+            check(all(torch.equal(a, b) for a, b in zip(got_buffers, expected_buffers)), f"{case} {how}: buffers")
+            check(torch.equal(got_slots, expected), f"{case} {how}: slots differ")
+        check(all(torch.equal(a, b) for a, b in zip(grads, before)), f"{case}: the gradients were changed")
+
+
 def check_pieces_in_one_launch(generator) -> None:
     """fused_pieces against the per-piece passes, bit for bit: pieces in separate tensors (any element offset
     between them), slots / updates evenly spaced in one stacked tensor; unqualified pieces are left untouched."""
@@ -218,6 +245,7 @@ def main() -> None:
     check_momentum(generator)
     check_decay_and_update(generator)
     check_pieces_in_one_launch(generator)
+    check_clip_factor(torch.Generator().manual_seed(1))  # its own stream: the later checks keep their inputs
     check_uncovered_fall_back(generator)
     check_muon(generator)
     check_muon_takes_one_launch_per_bucket()
