@@ -35,7 +35,8 @@ try:
 except ImportError:  # install_master_adamw installs nothing
     triton = None
 
-BLOCK = 2048
+BLOCK = 2048  # elements per program: 16 per thread at NUM_WARPS warps
+NUM_WARPS = 4
 
 
 def install_master_adamw(optimizer) -> int:
@@ -179,9 +180,9 @@ def _pass_ready(param: torch.Tensor, model: torch.Tensor | None) -> bool:
 
 def _launch(rows, factor, model_dtype, scalars) -> None:
     device = rows[0][0].device
-    pointers, numels, block_tensor, block_start = _tables(
-        device, tuple((*(t.data_ptr() for t in row[:4]), 0 if row[4] is None else row[4].data_ptr(), row[0].numel())
-                      for row in rows))
+    addresses = tuple((*(t.data_ptr() for t in row[:4]), 0 if row[4] is None else row[4].data_ptr(), row[0].numel())
+                      for row in rows)
+    pointers, numels, block_tensor, block_start = _tables(device, addresses)
     if block_tensor.numel() == 0:
         return
     model_carrier = rows[0][4] if model_dtype is not None else rows[0][0]
@@ -189,8 +190,8 @@ def _launch(rows, factor, model_dtype, scalars) -> None:
         pointers, numels, block_tensor, block_start, rows[0][0] if factor is None else factor, model_carrier,
         scalars["decay"], scalars["beta1"], 1.0 - scalars["beta1"], scalars["beta2"], 1.0 - scalars["beta2"],
         scalars["step_size"], scalars["bc2_sqrt"], scalars["eps"], DECOUPLED=scalars["decoupled"],
-        HAS_FACTOR=factor is not None, HAS_MODEL=model_dtype is not None, EMULATE=_INTERPRETING, BLOCK=BLOCK,
-        num_warps=4,
+        HAS_FACTOR=factor is not None, HAS_MODEL=model_dtype is not None, EMULATE=_INTERPRETING,
+        ALIGNED=all(address % 16 == 0 for row in addresses for address in row[:5]), BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
 
 
@@ -212,17 +213,46 @@ if triton is not None:
         Pointers, Numels, BlockTensor, BlockStart, Factor, ModelCarrier,
         decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
         DECOUPLED: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_MODEL: tl.constexpr, EMULATE: tl.constexpr,
-        BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         block = tl.program_id(0)
         tensor = tl.load(BlockTensor + block).to(tl.int64)
-        index = tl.load(BlockStart + block) + tl.arange(0, BLOCK).to(tl.int64)
-        inside = index < tl.load(Numels + tensor)
+        start = tl.multiple_of(tl.load(BlockStart + block), BLOCK)
+        numel = tl.load(Numels + tensor)
         row = Pointers + tensor * 5
-        Param = tl.load(row).to(tl.pointer_type(tl.float32))
-        Grad = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-        ExpAvg = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        ExpAvgSq = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        pointers = (
+            _address(row, tl.float32, ALIGNED), _address(row + 1, tl.float32, ALIGNED),
+            _address(row + 2, tl.float32, ALIGNED), _address(row + 3, tl.float32, ALIGNED),
+            _address(row + 4, ModelCarrier.dtype.element_ty, ALIGNED),
+        )
+        scalars = (decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps)
+        # whole blocks load and store unmasked: with 16-byte aligned addresses, as 128-bit accesses
+        if start + BLOCK <= numel:
+            _adamw_block(pointers, start, numel, Factor, scalars, DECOUPLED, HAS_FACTOR, HAS_MODEL, EMULATE, ALIGNED,
+                         False, BLOCK)
+        else:
+            _adamw_block(pointers, start, numel, Factor, scalars, DECOUPLED, HAS_FACTOR, HAS_MODEL, EMULATE, ALIGNED,
+                         True, BLOCK)
+
+    @triton.jit
+    def _address(entry, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+        pointer = tl.load(entry).to(tl.pointer_type(dtype))
+        if ALIGNED:
+            pointer = tl.multiple_of(pointer, 16)
+        return pointer
+
+    @triton.jit
+    def _adamw_block(
+        pointers, start, numel, Factor, scalars, DECOUPLED: tl.constexpr, HAS_FACTOR: tl.constexpr,
+        HAS_MODEL: tl.constexpr, EMULATE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        Param, Grad, ExpAvg, ExpAvgSq, Model = pointers
+        decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps = scalars
+        index = start + tl.arange(0, BLOCK).to(tl.int64)
+        inside = None
+        if MASKED:
+            inside = index < numel
         param = tl.load(Param + index, mask=inside)
         grad = tl.load(Grad + index, mask=inside)
         exp_avg = tl.load(ExpAvg + index, mask=inside)
@@ -241,7 +271,5 @@ if triton is not None:
         tl.store(Param + index, param, mask=inside)
         tl.store(ExpAvg + index, exp_avg, mask=inside)
         tl.store(ExpAvgSq + index, exp_avg_sq, mask=inside)
-        if HAS_MODEL:
-            Model = tl.load(row + 4).to(tl.pointer_type(ModelCarrier.dtype.element_ty))
-            # rounded to nearest-even, as torch's copy_ (emulated under the interpreter, whose cast truncates)
-            tl.store(Model + index, _round(param, ModelCarrier.dtype.element_ty, EMULATE), mask=inside)
+        if HAS_MODEL:  # rounded to nearest-even, as torch's copy_ (emulated under the interpreter, whose cast truncates)
+            tl.store(Model + index, _round(param, Model.dtype.element_ty, EMULATE), mask=inside)

@@ -26,31 +26,42 @@ TOLERANCE = dict(rtol=2e-6, atol=1e-7)  # the interpreter computes some fp32 pro
 def check_the_pass_alone():
     g = torch.Generator().manual_seed(0)
     sizes = [(3, 5), (master_adamw.BLOCK + 17,), (2, master_adamw.BLOCK)]
-    for optimizer_class in (torch.optim.AdamW, torch.optim.Adam):
-        for factor in (None, 0.3):
-            mains = [torch.randn(size, generator=g) for size in sizes]
-            reference = [m.clone() for m in mains]
-            models = [m.bfloat16() for m in mains[:2]]  # the last one has no model copy (an fp32 model param)
-            options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
-            model_of = {id(main): model for main, model in zip(mains, models)}
-            ours = master_adamw.OnePassAdamW(optimizer_class(mains, **options), model_of)
-            torch_optimizer = optimizer_class(reference, **options)
-            for _ in range(3):
-                grads = [torch.randn(m.shape, generator=g) for m in mains]
-                for main, ref, grad in zip(mains, reference, grads):
-                    main.grad = grad.clone()
-                    ref.grad = grad * factor if factor is not None else grad.clone()
-                ours.pending = None if factor is None else torch.tensor([factor])
-                assert ours.run() and ours.pending is None
-                torch_optimizer.step()
-            for main, ref in zip(mains, reference):
-                torch.testing.assert_close(main, ref, **TOLERANCE)
-                ours_state, torch_state = ours.inner.state[main], torch_optimizer.state[ref]
-                assert float(ours_state["step"]) == float(torch_state["step"]) == 3.0
-                for key in ("exp_avg", "exp_avg_sq"):
-                    torch.testing.assert_close(ours_state[key], torch_state[key], **TOLERANCE)
-            for model, main in zip(models, mains):  # the model copy is the master weight rounded as torch rounds
-                assert torch.equal(model, main.bfloat16())
+    cases = [(torch.optim.AdamW, None, 0), (torch.optim.AdamW, 0.3, 0), (torch.optim.Adam, None, 0),
+             (torch.optim.Adam, 0.3, 0), (torch.optim.AdamW, 0.3, 1)]  # offset 1: gradients not 16-byte aligned
+    for optimizer_class, factor, offset in cases:
+        mains = [torch.randn(size, generator=g) for size in sizes]
+        reference = [m.clone() for m in mains]
+        models = [m.bfloat16() for m in mains[:2]]  # the last one has no model copy (an fp32 model param)
+        options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+        model_of = {id(main): model for main, model in zip(mains, models)}
+        ours = master_adamw.OnePassAdamW(optimizer_class(mains, **options), model_of)
+        torch_optimizer = optimizer_class(reference, **options)
+        for _ in range(3):
+            grads = [torch.randn(m.shape, generator=g) for m in mains]
+            for main, ref, grad in zip(mains, reference, _in_one_buffer(grads, offset)):
+                main.grad = grad
+                ref.grad = grad * factor if factor is not None else grad.clone()
+            ours.pending = None if factor is None else torch.tensor([factor])
+            assert ours.run() and ours.pending is None
+            torch_optimizer.step()
+        for main, ref in zip(mains, reference):
+            torch.testing.assert_close(main, ref, **TOLERANCE)
+            ours_state, torch_state = ours.inner.state[main], torch_optimizer.state[ref]
+            assert float(ours_state["step"]) == float(torch_state["step"]) == 3.0
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours_state[key], torch_state[key], **TOLERANCE)
+        for model, main in zip(models, mains):  # the model copy is the master weight rounded as torch rounds
+            assert torch.equal(model, main.bfloat16())
+
+
+def _in_one_buffer(tensors, offset: int):
+    """Copies of `tensors` as views of one buffer, the first starting `offset` elements in (as megatron's DDP)."""
+    flat = torch.zeros(offset + sum(t.numel() for t in tensors))
+    views, start = [], offset
+    for tensor in tensors:
+        views.append(flat[start:start + tensor.numel()].view(tensor.shape).copy_(tensor))
+        start += tensor.numel()
+    return views
 
 
 def _train_tiny_gpt(install: bool, steps: int = 2):
