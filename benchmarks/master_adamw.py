@@ -5,7 +5,9 @@ of `megatron/master_adamw.py`, in one run on one GPU.
 fp32 master weights (one tensor each, the reference shapes), fp32 gradients as views of one buffer (megatron's
 DDP), bf16 model parameters. Factor 1 is an unclipped step, 0.999 a clipped one.
 
-    python benchmarks/master_adamw.py --out benchmarks/results/master_adamw.md
+    python benchmarks/master_adamw.py --sweep --out benchmarks/results/master_adamw.md
+
+`--sweep` also times the pass at other tiles (elements per program, warps): how `master_adamw.BLOCK` was chosen.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from bench_env import emit_markdown, gpu_result_header, views_of_one_buffer  # b
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_muon.megatron.clip_scale import scale_in_place  # noqa: E402
+from megatron_muon.megatron import master_adamw  # noqa: E402
 from megatron_muon.megatron.master_adamw import OnePassAdamW  # noqa: E402
+
+BYTES_PER_ELEMENT = 4 * 7 + 2
+SWEEP_TILES = ((1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16))
 
 def parameters(total: int):
     """(fp32 masters, fp32 gradient views of one buffer, bf16 model copies) of about `total` elements."""
@@ -34,6 +40,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--elements", type=int, default=1_478_000_000, help="parameters (1.48B)")
     parser.add_argument("--reps", type=int, default=300, help="milliseconds of repetitions per timing")
+    parser.add_argument("--sweep", action="store_true", help="also time the pass at other tiles")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("master_adamw.py times CUDA kernels; run it on a GPU machine")
@@ -65,13 +72,35 @@ def main() -> None:
     adamw_ms = do_bench(torch_adamw.step, rep=args.reps)
     copy_ms = do_bench(lambda: torch._foreach_copy_(models, masters), rep=args.reps)
     numel = sum(m.numel() for m in masters)
+    sweep = tile_sweep(ours, numel, args.reps) if args.sweep else []
     lines = gpu_result_header(
         "Mixed-precision AdamW step: megatron's three passes against one (hybrid-1.5B parameters)", "master_adamw.py",
         sys.argv[1:], f"{len(masters)} fp32 masters, {numel / 1e9:.3f}B elements; gradients are views of one fp32 "
         "buffer; bf16 model copies; triton.testing.do_bench medians (CPU launch time included)",
     ) + ["", *rows, "", f"Alone: torch's fused AdamW step {adamw_ms:.3f} ms; the foreach master-to-model copy "
-                        f"{copy_ms:.3f} ms."]
+                        f"{copy_ms:.3f} ms.", *sweep]
     emit_markdown(lines, args.out)
+
+
+def tile_sweep(ours, numel: int, reps: int) -> list[str]:
+    """The pass (clipped) at each tile of SWEEP_TILES; the module's tile is restored after."""
+    from triton.testing import do_bench
+
+    chosen = (master_adamw.BLOCK, master_adamw.NUM_WARPS)
+    factor = torch.tensor([0.999], device="cuda")
+    rows = ["", "| elements per program | warps | one pass ms | TB/s |", "|---:|---:|---:|---:|"]
+    try:
+        for block, warps in SWEEP_TILES:
+            master_adamw.BLOCK, master_adamw.NUM_WARPS = block, warps
+            master_adamw._tables.cache_clear()  # the block tables depend on BLOCK
+            ms = do_bench(lambda: ours(factor), rep=reps)
+            mark = " (chosen)" if (block, warps) == chosen else ""
+            rows.append(f"| {block}{mark} | {warps} | {ms:.3f} | {numel * BYTES_PER_ELEMENT / ms / 1e9:.2f} |")
+    finally:
+        master_adamw.BLOCK, master_adamw.NUM_WARPS = chosen
+        master_adamw._tables.cache_clear()
+    return rows + ["", f"TB/s counts {BYTES_PER_ELEMENT} bytes per element: reads of the master weight, gradient and "
+                       "two moments, writes of the master weight, the moments and the bf16 copy."]
 
 
 if __name__ == "__main__":

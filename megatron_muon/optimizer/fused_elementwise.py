@@ -183,6 +183,14 @@ if triton is not None:
         return tl.fma(a, b, c)
 
     @triton.jit
+    def _product(a, b, EMULATE: tl.constexpr):
+        """a·b rounded by itself, as a separate multiply kernel stores it: never contracted into a later add."""
+        if EMULATE:
+            return a * b
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, tl.broadcast_to(b, a.shape)],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
     def _tile(total_rows, rows, cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         """This program's rows as (block, row-in-block) int64 vectors, its columns, and the bounds mask."""
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -233,7 +241,7 @@ if triton is not None:
         buffer_dtype: tl.constexpr = Buffer.dtype.element_ty
         grad_dtype: tl.constexpr = Grad.dtype.element_ty
         if HAS_FACTOR:  # the clip megatron would have stored into the gradient: the product in its dtype
-            grad = _through(grad * tl.load(GradFactor), grad_dtype, EMULATE)
+            grad = _through(_product(grad, tl.load(GradFactor), EMULATE), grad_dtype, EMULATE)
         if buffer_dtype != grad_dtype:  # torch lerps the gradient cast to the buffer's dtype
             new = _lerp(buffer, _through(grad, buffer_dtype, EMULATE), ema_weight, EMA_SMALL, EMULATE)
         else:
