@@ -59,9 +59,7 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_muon.megatron.fused_adam import use_fused_torch_adam
-    from megatron_muon.megatron import clip_deferral
-    from megatron_muon.megatron.master_adamw import install_master_adamw
+    from megatron_muon.megatron.fast_paths import install_fast_paths
     from megatron_muon.training.loop import optimizer_config
     from megatron_muon.training.model import build_model, transformer_config, wrap_model
     from megatron_muon.training.validation import full_layer_pattern
@@ -81,12 +79,8 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
         module.forward = torch.compile(module.forward, mode=recipe.training.compile_mode)
     model = wrap_model(module, config, recipe, fast_main_grad_add=rung.main_grad_add)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
-    if rung.fused_adam:
-        use_fused_torch_adam(optimizer)
-    if rung.one_pass_adamw:
-        install_master_adamw(optimizer)
-    if rung.muon_clip_in_momentum:
-        clip_deferral.install_for_muon(optimizer)
+    install_fast_paths(optimizer, fused_adam=rung.fused_adam, one_pass_adamw=rung.one_pass_adamw,
+                       muon_clip_in_momentum=rung.muon_clip_in_momentum, main_grad_add=False)  # wrap_model hooked it
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, config

@@ -5,7 +5,10 @@
 
 Registration puts our optimizers under megatron-core's names (`--optimizer muon` / `dist_muon` then run ours) and
 makes our specs importable for `--spec megatron_muon.specs <name>`; the script then runs as `__main__` via runpy,
-exactly as `python pretrain_gpt.py ...` would, so no Megatron-LM fork or patch is needed.
+exactly as `python pretrain_gpt.py ...` would, so no Megatron-LM fork or patch is needed. Every optimizer the
+script builds through `get_megatron_optimizer` gets the plugin's GPU fast paths (`megatron/fast_paths.py`: fused
+and one-pass AdamW, the clip inside our Muon's momentum pass, the vectorized gradient add) unless
+`--no-fast-paths` comes before the script.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import runpy
 import sys
 from pathlib import Path
 
-USAGE = "usage: python -m megatron_muon.launch [--cpu-mode] path/to/pretrain_gpt.py [Megatron-LM arguments]"
-CPU_MODE_FLAG = "--cpu-mode"
+USAGE = ("usage: python -m megatron_muon.launch [--cpu-mode] [--no-fast-paths] path/to/pretrain_gpt.py "
+         "[Megatron-LM arguments]")
+CPU_MODE_FLAG, NO_FAST_PATHS_FLAG = "--cpu-mode", "--no-fast-paths"
 
 
 def _enter_cpu_mode() -> None:
@@ -53,12 +57,14 @@ def _use_prebuilt_dataset_helpers() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(USAGE + "\n\n" + __doc__.strip().splitlines()[0] + "\n  --cpu-mode  run megatron-core on CPU with gloo "
-              "(machines without a GPU: smoke tests and demos)")
+        print(USAGE + "\n\n" + __doc__.strip().splitlines()[0] + "\n  --cpu-mode       run megatron-core on CPU with "
+              "gloo (machines without a GPU: smoke tests and demos)\n  --no-fast-paths  keep megatron's own optimizer "
+              "step passes (for comparisons)")
         return 0 if args else 2
-    cpu_mode = args[0] == CPU_MODE_FLAG
-    if cpu_mode:
-        args = args[1:]
+    flags = set()
+    while args and args[0] in (CPU_MODE_FLAG, NO_FAST_PATHS_FLAG):
+        flags.add(args.pop(0))
+    cpu_mode = CPU_MODE_FLAG in flags
     if not args:
         print(f"megatron-muon launch: error: no script given; {USAGE}", file=sys.stderr)
         return 2
@@ -68,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
               "script such as pretrain_gpt.py.", file=sys.stderr)
         return 2
     if cpu_mode:
-        from megatron_muon._cpu import enable_cpu_mode
-
         _enter_cpu_mode()
 
     import megatron_muon
 
     megatron_muon.register()
+    if NO_FAST_PATHS_FLAG not in flags:
+        from megatron_muon.megatron.fast_paths import install_after_every_optimizer_build
+
+        install_after_every_optimizer_build()
     _use_prebuilt_dataset_helpers()
     script_dir = str(script.resolve().parent)
     if script_dir not in sys.path:

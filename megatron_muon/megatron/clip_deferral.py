@@ -97,7 +97,8 @@ class _MuonFactor:
 
 def install_for_muon(optimizer) -> int:
     """Defer the clip to every Muon (ours) inside megatron's mixed-precision wrappers whose momentum pass is fused
-    on the parameters' device (elsewhere the deferred factor would be a separate multiply again); returns how many."""
+    on the parameters' device (elsewhere the deferred factor would be a separate multiply again); returns how many
+    were newly deferred (a second call defers none)."""
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     from megatron_muon.optimizer import Muon
@@ -108,7 +109,7 @@ def install_for_muon(optimizer) -> int:
         muon = getattr(part, "optimizer", None)
         params = [p for group in getattr(muon, "param_groups", []) for p in group["params"]]
         if (type(part) is Float16OptimizerWithFloat16Params and isinstance(muon, Muon) and params
-                and use_fused(muon.fused_elementwise, params[0].device)):
+                and getattr(part, "clip_owner", None) is None and use_fused(muon.fused_elementwise, params[0].device)):
             claim(part, _MuonFactor(muon))
             installed += 1
     if installed:

@@ -40,12 +40,13 @@ NUM_WARPS = 4
 
 
 def install_master_adamw(optimizer) -> int:
-    """Give every qualifying mixed-precision AdamW inside `optimizer` the one-pass step; returns how many."""
+    """Give every qualifying mixed-precision AdamW inside `optimizer` the one-pass step; returns how many were
+    newly given it (a second call gives none)."""
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     installed = 0
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if type(part) is Float16OptimizerWithFloat16Params and _qualifies(part):
+        if type(part) is Float16OptimizerWithFloat16Params and not hasattr(part, "one_pass_adamw") and _qualifies(part):
             _attach(part)
             installed += 1
     if installed:
@@ -271,5 +272,5 @@ if triton is not None:
         tl.store(Param + index, param, mask=inside)
         tl.store(ExpAvg + index, exp_avg, mask=inside)
         tl.store(ExpAvgSq + index, exp_avg_sq, mask=inside)
-        if HAS_MODEL:  # rounded to nearest-even, as torch's copy_ (emulated under the interpreter, whose cast truncates)
+        if HAS_MODEL:  # rounded to nearest-even as torch's copy_ (emulated under the interpreter, whose cast truncates)
             tl.store(Model + index, _round(param, Model.dtype.element_ty, EMULATE), mask=inside)

@@ -10,9 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron_muon.megatron import clip_deferral
-from megatron_muon.megatron.fused_adam import use_fused_torch_adam
-from megatron_muon.megatron.master_adamw import install_master_adamw
+from megatron_muon.megatron.fast_paths import install_fast_paths
 from megatron_muon.metrics import MfuCalculator, peak_tflops
 from megatron_muon.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_muon.training.config import Recipe
@@ -226,9 +224,9 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
         module.forward = torch.compile(module.forward, mode=train.compile_mode)
     model = wrap_model(module, config, recipe)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
-    fused_adam_groups = use_fused_torch_adam(optimizer)  # megatron's torch-AdamW fallback, fused on GPUs
-    one_pass_adamw = install_master_adamw(optimizer) if recipe.optimizer.one_pass_adamw else 0
-    muon_clip_folds = clip_deferral.install_for_muon(optimizer) if recipe.optimizer.muon_clip_in_momentum else 0
+    fast_paths = install_fast_paths(  # wrap_model already hooked the gradient add
+        optimizer, one_pass_adamw=recipe.optimizer.one_pass_adamw,
+        muon_clip_in_momentum=recipe.optimizer.muon_clip_in_momentum, main_grad_add=False)
     scheduler = lr_scheduler(recipe, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -250,8 +248,8 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
             "torch": torch.__version__, "start_step": start_step, "flops_per_token": mfu_of.flops_per_token,
             "all_sdpa_flops_per_token": mfu_of.all_attention_flops_per_token, "peak_tflops_per_gpu": peak,
             "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
-            "optimizer_classes": optimizer_classes(optimizer), "fused_adam_groups": fused_adam_groups,
-            "one_pass_adamw": one_pass_adamw, "muon_clip_in_momentum": muon_clip_folds,
+            "optimizer_classes": optimizer_classes(optimizer),
+            **{key: fast_paths[key] for key in ("fused_adam_groups", "one_pass_adamw", "muon_clip_in_momentum")},
         })
     return _Run(model, optimizer, scheduler, batches, mfu_of, tokens_per_step, start_step, output_dir, log)
 

@@ -34,6 +34,7 @@ def _recording_optimizer_builder(config, model_chunks, *args, **kwargs):
         f"{type(getattr(p, 'optimizer', p)).__module__}.{type(getattr(p, 'optimizer', p)).__qualname__}" for p in parts
     ]
     REPORT["optimizer_name"] = config.optimizer
+    REPORT["fast_paths"] = getattr(optimizer, "megatron_muon_fast_paths", None)
     decoder = model_chunks[0].module.module.decoder if hasattr(model_chunks[0].module, "module") else None
     if decoder is None:
         decoder = model_chunks[0].module.decoder

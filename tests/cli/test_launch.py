@@ -25,11 +25,11 @@ TINY_MEGATRON_ARGS = [
 ]
 
 
-def _launch(tmp_path, *extra):
+def _launch(tmp_path, *extra, launch_flags=()):
     report = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), STANDIN_REPORT=str(report), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "megatron_muon.launch", "--cpu-mode", str(STANDIN), *TINY_MEGATRON_ARGS, *extra]
+    command = [sys.executable, "-m", "megatron_muon.launch", "--cpu-mode", *launch_flags, str(STANDIN), *TINY_MEGATRON_ARGS, *extra]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     return json.loads(report.read_text())
@@ -43,6 +43,14 @@ def test_optimizer_muon_through_megatron_lm_runs_ours_on_the_gdn_hybrid_spec(tmp
     assert report["mixers"] == ["GatedDeltaNet", "GatedDeltaNet", "GatedDeltaNet", "SelfAttention"], report
     losses = report["losses"]
     assert len(losses) == 8 * 2 and sum(losses[-4:]) < sum(losses[:4])  # 2 micro-batches per step
+    # the fast paths were offered to what megatron built; on CPU none of them applies
+    assert report["fast_paths"] == {"fused_adam_groups": 0, "one_pass_adamw": 0, "muon_clip_in_momentum": 0,
+                                    "main_grad_add_params": 0}, report
+
+
+def test_no_fast_paths_leaves_megatrons_optimizer_as_built(tmp_path):
+    report = _launch(tmp_path, "--optimizer", "adam", launch_flags=("--no-fast-paths",))
+    assert report["fast_paths"] is None and report["optimizer_classes"] == ["torch.optim.adamw.AdamW"], report
 
 
 def test_launch_rejects_a_missing_script(tmp_path, capsys):

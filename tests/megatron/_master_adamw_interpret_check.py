@@ -69,12 +69,15 @@ def _train_tiny_gpt(install: bool, steps: int = 2):
     from megatron_muon.testing.training import build_training_setup, train_step
 
     import megatron_muon
+    from megatron_muon.megatron.fast_paths import install_fast_paths
 
     megatron_muon.register()  # as the training loop: the grad norm and the clip factor stay on the device
     init_model_parallel(1, 1)
     torch.manual_seed(0)
     model, optimizer = build_training_setup("adam", bf16=True, lr=1e-2, clip_grad=0.05)  # every step clipped
-    installed = master_adamw.install_master_adamw(optimizer) if install else 0
+    installed = install_fast_paths(optimizer)["one_pass_adamw"] if install else 0
+    if install:  # a second call (the training CLI after megatron_muon.launch's hook, say) takes over nothing
+        assert set(install_fast_paths(optimizer).values()) == {0}
     deferred = []
     if install:
         owner = _float16_part(optimizer).one_pass_adamw

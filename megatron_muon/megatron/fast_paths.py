@@ -1,0 +1,55 @@
+"""The plugin's fast paths for a megatron optimizer that is already built, in one call.
+
+Without Transformer Engine or Apex, megatron-core's mixed-precision step makes several passes over the fp32
+master weights and gradients. Each fast path below replaces some of them on GPUs and does nothing elsewhere:
+- `use_fused_torch_adam`: megatron's torch AdamW fallback on torch's fused kernel;
+- `install_master_adamw`: the clip factor, the AdamW update and the bf16 model copy in one pass;
+- `clip_deferral.install_for_muon`: the clip factor applied inside our Muon's fused momentum pass;
+- `install_main_grad_add`: autograd's bf16 gradients added into DDP's fp32 buffers in one vectorized pass.
+
+`megatron-muon pretrain` and `python -m megatron_muon.launch` (Megatron-LM's scripts) both call
+`install_fast_paths`; each installer is idempotent, so a second call changes nothing.
+"""
+
+from __future__ import annotations
+
+from megatron_muon.megatron import clip_deferral
+from megatron_muon.megatron.fused_adam import use_fused_torch_adam
+from megatron_muon.megatron.main_grad_add import install_main_grad_add
+from megatron_muon.megatron.master_adamw import install_master_adamw
+
+
+def install_fast_paths(optimizer, model_chunks=(), *, fused_adam: bool = True, one_pass_adamw: bool = True,
+                       muon_clip_in_momentum: bool = True, main_grad_add: bool = True) -> dict[str, int]:
+    """Install every enabled fast path on `optimizer` (and, for the gradient add, on megatron's DDP
+    `model_chunks`); returns how many param groups, wrappers or parameters each one newly took over."""
+    installed = {"fused_adam_groups": use_fused_torch_adam(optimizer) if fused_adam else 0}
+    installed["one_pass_adamw"] = install_master_adamw(optimizer) if one_pass_adamw else 0
+    installed["muon_clip_in_momentum"] = clip_deferral.install_for_muon(optimizer) if muon_clip_in_momentum else 0
+    on_gpu = [chunk for chunk in model_chunks if any(p.is_cuda for p in chunk.parameters())]
+    installed["main_grad_add_params"] = sum(install_main_grad_add(chunk) for chunk in on_gpu) if main_grad_add else 0
+    return installed
+
+
+def install_after_every_optimizer_build() -> None:
+    """Make megatron-core's `get_megatron_optimizer` install the fast paths on what it builds, for scripts that
+    call it themselves (Megatron-LM's pretrain_gpt.py); call before the script imports megatron.training."""
+    import sys
+
+    import megatron.core.optimizer as mcore_optimizer
+
+    build = mcore_optimizer.get_megatron_optimizer
+    if getattr(build, "_megatron_muon_fast_paths", False):
+        return
+
+    def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+        optimizer = build(config, model_chunks, *args, **kwargs)
+        optimizer.megatron_muon_fast_paths = install_fast_paths(optimizer, list(model_chunks))
+        return optimizer
+
+    get_megatron_optimizer._megatron_muon_fast_paths = True
+    get_megatron_optimizer.__doc__ = build.__doc__
+    mcore_optimizer.get_megatron_optimizer = get_megatron_optimizer
+    training = sys.modules.get("megatron.training.training")
+    if training is not None and getattr(training, "get_megatron_optimizer", None) is build:
+        training.get_megatron_optimizer = get_megatron_optimizer
