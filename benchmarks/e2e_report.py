@@ -103,11 +103,12 @@ KERNEL_CATEGORIES = (
     ("attention (cuDNN / flash)", re.compile(r"cudnn|flash|fmha|sdpa", re.I)),
     ("GDN chunk kernels (FLA / TileLang)", re.compile(r"chunk_|kernel_kernel|prepare_wy|recompute_w_u|l2norm|"
                                                      r"solve_tril|merge_16x16|chunk_local_cumsum", re.I)),
-    ("causal conv1d", re.compile(r"causal_conv1d", re.I)),
+    ("causal conv1d", re.compile(r"causal_conv1d|_conv_bwd_kernel", re.I)),
     ("Inductor-generated (fused pointwise / reductions)", re.compile(r"^triton_(poi|per|red|tem)_", re.I)),
     ("Muon Newton–Schulz (symmetric products)", re.compile(r"_sym_mm", re.I)),
     ("optimizer / eager elementwise (foreach, copies, adds)", re.compile(
-        r"multi_tensor|foreach|elementwise|vectorized|copy|fill|reduce_kernel|adam|muon|momentum|decay_update",
+        r"multi_tensor|foreach|elementwise|vectorized|copy|fill|reduce_kernel|adam|muon|momentum|decay_update|"
+        r"^add_kernel$",
         re.I)),
 )
 

@@ -28,9 +28,10 @@ from megatron_muon.megatron.master_adamw import OnePassAdamW  # noqa: E402
 BYTES_PER_ELEMENT = 4 * 7 + 2
 SWEEP_TILES = ((1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16))
 
-def parameters(total: int):
-    """(fp32 masters, fp32 gradient views of one buffer, bf16 model copies) of about `total` elements."""
-    grads = views_of_one_buffer(total, "cuda", scale=1e-3)
+def parameters(total: int, gap: int = 0):
+    """(fp32 masters, fp32 gradient views of one buffer `gap` elements apart, bf16 model copies) of about `total`
+    elements."""
+    grads = views_of_one_buffer(total, "cuda", gap=gap, scale=1e-3)
     masters = [torch.randn(grad.shape, device="cuda") * 0.02 for grad in grads]
     return masters, grads, [m.bfloat16() for m in masters]
 
@@ -41,12 +42,15 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=1_478_000_000, help="parameters (1.48B)")
     parser.add_argument("--reps", type=int, default=300, help="milliseconds of repetitions per timing")
     parser.add_argument("--sweep", action="store_true", help="also time the pass at other tiles")
+    parser.add_argument("--grad-gap", type=int, default=0,
+                        help="elements between gradient views (2: every other one 8-byte aligned, as DDP's views "
+                             "after a parameter of 6 elements)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("master_adamw.py times CUDA kernels; run it on a GPU machine")
     from triton.testing import do_bench
 
-    masters, grads, models = parameters(args.elements)
+    masters, grads, models = parameters(args.elements, args.grad_gap)
     for master, grad in zip(masters, grads):
         master.grad = grad
     options = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -76,7 +80,8 @@ def main() -> None:
     lines = gpu_result_header(
         "Mixed-precision AdamW step: megatron's three passes against one (hybrid-1.5B parameters)", "master_adamw.py",
         sys.argv[1:], f"{len(masters)} fp32 masters, {numel / 1e9:.3f}B elements; gradients are views of one fp32 "
-        "buffer; bf16 model copies; triton.testing.do_bench medians (CPU launch time included)",
+        f"buffer, {args.grad_gap} elements apart; bf16 model copies; triton.testing.do_bench medians (CPU launch time "
+        "included)",
     ) + ["", *rows, "", f"Alone: torch's fused AdamW step {adamw_ms:.3f} ms; the foreach master-to-model copy "
                         f"{copy_ms:.3f} ms.", *sweep]
     emit_markdown(lines, args.out)

@@ -146,14 +146,16 @@ class OnePassAdamW:
             decay=lr * weight_decay if decoupled else weight_decay, decoupled=decoupled, beta1=beta1, beta2=beta2,
             step_size=lr / (1 - beta1**count), bc2_sqrt=math.sqrt(1 - beta2**count), eps=group["eps"],
         )
-        by_model_dtype: dict[torch.dtype | None, list[int]] = {}
-        for k, param in enumerate(params):
+        # one launch per model-copy dtype and address alignment: each launch's accesses are as wide as its
+        # tensors' alignment allows (DDP's gradient views start wherever the previous parameter ended)
+        launches: dict[tuple, list[tuple]] = {}
+        for param, state in zip(params, states):
             model = self.model_of.get(id(param))
-            by_model_dtype.setdefault(None if model is None else model.dtype, []).append(k)
-        for model_dtype, members in by_model_dtype.items():
-            rows = [(params[k], params[k].grad, states[k]["exp_avg"], states[k]["exp_avg_sq"],
-                     self.model_of.get(id(params[k]))) for k in members]
-            _launch(rows, self.pending, model_dtype, scalars)
+            row = (param, param.grad, state["exp_avg"], state["exp_avg_sq"], model)
+            alignments = tuple(_alignment(t) for t in row)
+            launches.setdefault((None if model is None else model.dtype, alignments), []).append(row)
+        for (model_dtype, alignments), rows in launches.items():
+            _launch(rows, self.pending, model_dtype, alignments, scalars)
 
     def _state(self, param: torch.Tensor) -> dict:
         state = self.inner.state[param]
@@ -179,7 +181,13 @@ def _pass_ready(param: torch.Tensor, model: torch.Tensor | None) -> bool:
                                    and model.device == param.device)))
 
 
-def _launch(rows, factor, model_dtype, scalars) -> None:
+def _alignment(tensor: torch.Tensor | None) -> int:
+    """The largest of 16, 8, 4, 2 and 1 bytes that divides the tensor's address."""
+    address = 0 if tensor is None else tensor.data_ptr()
+    return next(size for size in (16, 8, 4, 2, 1) if address % size == 0)
+
+
+def _launch(rows, factor, model_dtype, alignments, scalars) -> None:
     device = rows[0][0].device
     addresses = tuple((*(t.data_ptr() for t in row[:4]), 0 if row[4] is None else row[4].data_ptr(), row[0].numel())
                       for row in rows)
@@ -192,11 +200,12 @@ def _launch(rows, factor, model_dtype, scalars) -> None:
         scalars["decay"], scalars["beta1"], 1.0 - scalars["beta1"], scalars["beta2"], 1.0 - scalars["beta2"],
         scalars["step_size"], scalars["bc2_sqrt"], scalars["eps"], DECOUPLED=scalars["decoupled"],
         HAS_FACTOR=factor is not None, HAS_MODEL=model_dtype is not None, EMULATE=_INTERPRETING,
-        ALIGNED=all(address % 16 == 0 for row in addresses for address in row[:5]), BLOCK=BLOCK, num_warps=NUM_WARPS,
+        PARAM_ALIGN=alignments[0], GRAD_ALIGN=alignments[1], EXP_AVG_ALIGN=alignments[2],
+        EXP_AVG_SQ_ALIGN=alignments[3], MODEL_ALIGN=alignments[4], BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def _tables(device: torch.device, rows: tuple[tuple[int, ...], ...]):
     """Device tables: per tensor its 5 addresses and numel; per block its tensor and first element."""
     pointers = torch.tensor([row[:5] for row in rows], dtype=torch.int64)
@@ -214,7 +223,8 @@ if triton is not None:
         Pointers, Numels, BlockTensor, BlockStart, Factor, ModelCarrier,
         decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
         DECOUPLED: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_MODEL: tl.constexpr, EMULATE: tl.constexpr,
-        ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+        PARAM_ALIGN: tl.constexpr, GRAD_ALIGN: tl.constexpr, EXP_AVG_ALIGN: tl.constexpr,
+        EXP_AVG_SQ_ALIGN: tl.constexpr, MODEL_ALIGN: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         block = tl.program_id(0)
         tensor = tl.load(BlockTensor + block).to(tl.int64)
@@ -222,30 +232,31 @@ if triton is not None:
         numel = tl.load(Numels + tensor)
         row = Pointers + tensor * 5
         pointers = (
-            _address(row, tl.float32, ALIGNED), _address(row + 1, tl.float32, ALIGNED),
-            _address(row + 2, tl.float32, ALIGNED), _address(row + 3, tl.float32, ALIGNED),
-            _address(row + 4, ModelCarrier.dtype.element_ty, ALIGNED),
+            _address(row, tl.float32, PARAM_ALIGN), _address(row + 1, tl.float32, GRAD_ALIGN),
+            _address(row + 2, tl.float32, EXP_AVG_ALIGN), _address(row + 3, tl.float32, EXP_AVG_SQ_ALIGN),
+            _address(row + 4, ModelCarrier.dtype.element_ty, MODEL_ALIGN),
         )
         scalars = (decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps)
-        # whole blocks load and store unmasked: with 16-byte aligned addresses, as 128-bit accesses
+        # whole blocks load and store unmasked: as 128-bit accesses where the addresses are 16-byte aligned
         if start + BLOCK <= numel:
-            _adamw_block(pointers, start, numel, Factor, scalars, DECOUPLED, HAS_FACTOR, HAS_MODEL, EMULATE, ALIGNED,
+            _adamw_block(pointers, start, numel, Factor, scalars, DECOUPLED, HAS_FACTOR, HAS_MODEL, EMULATE,
                          False, BLOCK)
         else:
-            _adamw_block(pointers, start, numel, Factor, scalars, DECOUPLED, HAS_FACTOR, HAS_MODEL, EMULATE, ALIGNED,
+            _adamw_block(pointers, start, numel, Factor, scalars, DECOUPLED, HAS_FACTOR, HAS_MODEL, EMULATE,
                          True, BLOCK)
 
     @triton.jit
-    def _address(entry, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    def _address(entry, dtype: tl.constexpr, ALIGN: tl.constexpr):
+        """A table's address with its known alignment in bytes: what lets loads and stores be vector accesses."""
         pointer = tl.load(entry).to(tl.pointer_type(dtype))
-        if ALIGNED:
-            pointer = tl.multiple_of(pointer, 16)
+        if ALIGN > 1:
+            pointer = tl.multiple_of(pointer, ALIGN)
         return pointer
 
     @triton.jit
     def _adamw_block(
         pointers, start, numel, Factor, scalars, DECOUPLED: tl.constexpr, HAS_FACTOR: tl.constexpr,
-        HAS_MODEL: tl.constexpr, EMULATE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr,
+        HAS_MODEL: tl.constexpr, EMULATE: tl.constexpr, MASKED: tl.constexpr,
         BLOCK: tl.constexpr,
     ):  # fmt: skip
         Param, Grad, ExpAvg, ExpAvgSq, Model = pointers
