@@ -110,7 +110,7 @@ class OnePassAdamW:
         self.inner, self.model_of = inner, model_of
         self.claimed = frozenset(id(p) for group in inner.param_groups for p in group["params"])
         self.pending: torch.Tensor | None = None
-        self._host_steps: dict[int, tuple[torch.Tensor, int]] = {}
+        self._host_counts: dict[int, tuple[torch.Tensor, int]] = {}  # id(step tensor) -> (it, its host count)
 
     def apply_pending(self) -> None:
         """Multiply the gradients by the pending clip factor (for megatron's own path)."""
@@ -123,38 +123,39 @@ class OnePassAdamW:
     def run(self) -> bool:
         """The pass for every param group; False (nothing done) when a tensor does not qualify this step."""
         work = []
-        for index, group in enumerate(self.inner.param_groups):
+        for group in self.inner.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if any(not _pass_ready(p, self.model_of.get(id(p))) for p in params):
                 return False
-            work.append((index, group, params))
-        for index, group, params in work:
+            work.append((group, params))
+        for group, params in work:
             if params:
-                self._run_group(index, group, params)
+                self._run_group(group, params)
         self.pending = None
         return True
 
-    def _run_group(self, index: int, group: dict, params: list[torch.Tensor]) -> None:
+    def _run_group(self, group: dict, params: list[torch.Tensor]) -> None:
         states = [self._state(p) for p in params]
-        steps = [state["step"] for state in states]
-        torch._foreach_add_(steps, 1.0)
-        count = self._host_step(index, steps[0])
+        counts = self._step_counts([state["step"] for state in states])
+        torch._foreach_add_([state["step"] for state in states], 1.0)
         beta1, beta2 = group["betas"]
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
         decoupled = isinstance(self.inner, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
-        scalars = dict(
-            decay=lr * weight_decay if decoupled else weight_decay, decoupled=decoupled, beta1=beta1, beta2=beta2,
-            step_size=lr / (1 - beta1**count), bc2_sqrt=math.sqrt(1 - beta2**count), eps=group["eps"],
-        )
-        # one launch per model-copy dtype and address alignment: each launch's accesses are as wide as its
-        # tensors' alignment allows (DDP's gradient views start wherever the previous parameter ended)
+        # one launch per step count (bias correction), model-copy dtype and address alignment: each launch's
+        # accesses are as wide as its tensors' alignment allows (DDP's gradient views start wherever the previous
+        # parameter ended)
         launches: dict[tuple, list[tuple]] = {}
-        for param, state in zip(params, states):
+        for param, state, count in zip(params, states, counts):
             model = self.model_of.get(id(param))
             row = (param, param.grad, state["exp_avg"], state["exp_avg_sq"], model)
             alignments = tuple(_alignment(t) for t in row)
-            launches.setdefault((None if model is None else model.dtype, alignments), []).append(row)
-        for (model_dtype, alignments), rows in launches.items():
+            launches.setdefault((count, None if model is None else model.dtype, alignments), []).append(row)
+        for (count, model_dtype, alignments), rows in launches.items():
+            scalars = dict(
+                decay=lr * weight_decay if decoupled else weight_decay, decoupled=decoupled, beta1=beta1,
+                beta2=beta2, step_size=lr / (1 - beta1**count), bc2_sqrt=math.sqrt(1 - beta2**count),
+                eps=group["eps"],
+            )
             _launch(rows, self.pending, model_dtype, alignments, scalars)
 
     def _state(self, param: torch.Tensor) -> dict:
@@ -165,12 +166,19 @@ class OnePassAdamW:
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
-    def _host_step(self, index: int, step: torch.Tensor) -> int:
-        """The group's step count on the host: read once (one sync), then counted; read again after a load."""
-        known = self._host_steps.get(index)
-        count = known[1] + 1 if known is not None and known[0] is step else int(step.item())
-        self._host_steps[index] = (step, count)
-        return count
+    def _step_counts(self, steps: list[torch.Tensor]) -> list[int]:
+        """This step's count per state (its device `step` + 1), kept on the host: read from the device once (one
+        sync for all the new step tensors: the first step, or after a load), then counted. Counts differ where a
+        parameter had no gradient in some steps, as torch's AdamW counts them."""
+        unknown = [step for step in steps if self._host_counts.get(id(step), (None,))[0] is not step]
+        read = dict(zip(map(id, unknown), torch.stack(unknown).tolist())) if unknown else {}
+        if unknown:  # forget the step tensors a load replaced
+            live = {id(state.get("step")) for state in self.inner.state.values()}
+            self._host_counts = {key: value for key, value in self._host_counts.items() if key in live}
+        counts = [int(read[id(step)]) + 1 if id(step) in read else self._host_counts[id(step)][1] + 1
+                  for step in steps]
+        self._host_counts.update({id(step): (step, count) for step, count in zip(steps, counts)})
+        return counts
 
 
 def _pass_ready(param: torch.Tensor, model: torch.Tensor | None) -> bool:

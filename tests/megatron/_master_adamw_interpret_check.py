@@ -54,6 +54,25 @@ def check_the_pass_alone():
             assert torch.equal(model, main.bfloat16())
 
 
+def check_parameters_that_miss_steps():
+    """A parameter without a gradient in some step keeps its own step count (bias correction), as in torch."""
+    g = torch.Generator().manual_seed(1)
+    mains = [torch.randn(size, generator=g) for size in [(4, 8), (master_adamw.BLOCK + 3,), (2, 5)]]
+    reference = [m.clone() for m in mains]
+    options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    ours = master_adamw.OnePassAdamW(torch.optim.AdamW(mains, **options), {})
+    torch_optimizer = torch.optim.AdamW(reference, **options)
+    for with_grad in [(True, True, True), (False, True, True), (False, True, False), (True, True, True)]:
+        for main, ref, has_grad in zip(mains, reference, with_grad):
+            grad = torch.randn(main.shape, generator=g)
+            main.grad, ref.grad = (grad.clone(), grad) if has_grad else (None, None)
+        assert ours.run()
+        torch_optimizer.step()
+    assert [float(ours.inner.state[m]["step"]) for m in mains] == [2.0, 4.0, 3.0]
+    for main, ref in zip(mains, reference):
+        torch.testing.assert_close(main, ref, **TOLERANCE)
+
+
 def _in_one_buffer(tensors, offset: int):
     """Copies of `tensors` as views of one buffer, the first starting `offset` elements in (as megatron's DDP)."""
     flat = torch.zeros(offset + sum(t.numel() for t in tensors))
@@ -171,6 +190,7 @@ def check_muon_clip_fold():
 
 def main():
     check_the_pass_alone()
+    check_parameters_that_miss_steps()
     check_through_megatron()
     check_muon_clip_fold()
     print("interpreter ok")
