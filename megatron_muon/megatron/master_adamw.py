@@ -35,7 +35,9 @@ try:
 except ImportError:  # install_master_adamw installs nothing
     triton = None
 
-BLOCK = 4096  # elements per program: 32 per thread at NUM_WARPS warps (the fastest of 8 tiles, master_adamw.md)
+# elements per program (32 per thread): 3.89 TB/s in the tile sweep of master_adamw.md, where 8192 on 16 warps
+# measured 1-2% faster and the other six tiles 9-51% slower
+BLOCK = 4096
 NUM_WARPS = 4
 
 
