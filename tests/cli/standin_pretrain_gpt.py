@@ -24,6 +24,10 @@ from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_
 from megatron.training.arguments import parse_and_validate_args
 
 REPORT = {}
+if os.environ.get("TRITON_INTERPRET") == "1":  # the plugin's Triton passes run under the interpreter on CPU
+    from tests.interpreter import patch_for_numpy_2_5
+
+    patch_for_numpy_2_5()
 _build_optimizer = megatron_training.get_megatron_optimizer
 
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_muon.launch import main as launch_main
 from megatron_muon.training.distributed import free_port
 
@@ -25,10 +27,12 @@ TINY_MEGATRON_ARGS = [
 ]
 
 
-def _launch(tmp_path, *extra, launch_flags=()):
+def _launch(tmp_path, *extra, launch_flags=(), env_extra=None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     report = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), STANDIN_REPORT=str(report), OMP_NUM_THREADS="1")
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), STANDIN_REPORT=str(report), OMP_NUM_THREADS="1",
+               **(env_extra or {}))
     command = [sys.executable, "-m", "megatron_muon.launch", "--cpu-mode", *launch_flags, str(STANDIN), *TINY_MEGATRON_ARGS, *extra]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
@@ -46,6 +50,21 @@ def test_optimizer_muon_through_megatron_lm_runs_ours_on_the_gdn_hybrid_spec(tmp
     # the fast paths were offered to what megatron built; on CPU none of them applies
     assert report["fast_paths"] == {"fused_adam_groups": 0, "one_pass_adamw": 0, "muon_clip_in_momentum": 0,
                                     "main_grad_add_params": 0}, report
+
+
+def test_the_fast_paths_train_through_megatron_lm_as_megatrons_own_passes(tmp_path):
+    """Under the Triton interpreter the plugin's passes run on CPU. Through Megatron-LM's own training loop, bf16
+    Muon (AdamW for the rest) with every step clipped: the one-pass AdamW and the clip inside Muon's momentum pass
+    follow megatron's own passes (the same losses until fp32 rounding in AdamW reaches a bf16 weight)."""
+    extra = ("--optimizer", "muon", "--bf16", "--clip-grad", "0.05")
+    interpreter = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    ours = _launch(tmp_path / "fast", *extra, env_extra=interpreter)
+    reference = _launch(tmp_path / "megatron", *extra, launch_flags=("--no-fast-paths",), env_extra=interpreter)
+    assert ours["fast_paths"]["one_pass_adamw"] == 1 and ours["fast_paths"]["muon_clip_in_momentum"] == 1, ours
+    assert reference["fast_paths"] is None
+    assert ours["losses"][:8] == pytest.approx(reference["losses"][:8], rel=1e-6, abs=0)
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-3, abs=0)
+    assert sum(ours["losses"][-4:]) < sum(ours["losses"][:4])
 
 
 def test_no_fast_paths_leaves_megatrons_optimizer_as_built(tmp_path):
