@@ -13,6 +13,8 @@ master weights and gradients. Each fast path below replaces some of them on GPUs
 
 from __future__ import annotations
 
+import functools
+
 from megatron_muon.megatron import clip_deferral
 from megatron_muon.megatron.fused_adam import use_fused_torch_adam
 from megatron_muon.megatron.main_grad_add import install_main_grad_add
@@ -33,7 +35,8 @@ def install_fast_paths(optimizer, model_chunks=(), *, fused_adam: bool = True, o
 
 def install_after_every_optimizer_build() -> None:
     """Make megatron-core's `get_megatron_optimizer` install the fast paths on what it builds, for scripts that
-    call it themselves (Megatron-LM's pretrain_gpt.py); call before the script imports megatron.training."""
+    call it themselves (Megatron-LM's pretrain_gpt.py); megatron.training.training's name for it is replaced too
+    when that module is already imported (a patched script)."""
     import sys
 
     import megatron.core.optimizer as mcore_optimizer
@@ -47,8 +50,8 @@ def install_after_every_optimizer_build() -> None:
         optimizer.megatron_muon_fast_paths = install_fast_paths(optimizer, list(model_chunks))
         return optimizer
 
+    functools.update_wrapper(get_megatron_optimizer, build)
     get_megatron_optimizer._megatron_muon_fast_paths = True
-    get_megatron_optimizer.__doc__ = build.__doc__
     mcore_optimizer.get_megatron_optimizer = get_megatron_optimizer
     training = sys.modules.get("megatron.training.training")
     if training is not None and getattr(training, "get_megatron_optimizer", None) is build:

@@ -76,3 +76,20 @@ def test_launch_rejects_a_missing_script(tmp_path, capsys):
     assert launch_main([str(tmp_path / "pretrain_gpt.py")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert launch_main([]) == 2
+
+
+def test_the_fast_paths_hook_also_reaches_a_megatron_training_module_imported_before_it():
+    """Patched Megatron-LM scripts import megatron.training.training before they can call the plugin: the hook must
+    replace the name that module already bound, not only megatron-core's."""
+    code = (
+        "import megatron.core.optimizer as core, megatron.training.training as training\n"
+        "from megatron_muon.megatron.fast_paths import install_after_every_optimizer_build\n"
+        "original = core.get_megatron_optimizer\n"
+        "install_after_every_optimizer_build(); install_after_every_optimizer_build()\n"
+        "assert training.get_megatron_optimizer is core.get_megatron_optimizer is not original\n"
+        "assert core.get_megatron_optimizer.__wrapped__ is original  # installed once\n"
+        "print('hooked')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "hooked" in result.stdout, result.stderr[-3000:]
