@@ -58,9 +58,7 @@ def install_master_adamw(optimizer) -> int:
 
 def _attach(wrapper) -> OnePassAdamW:
     """Run the pass in place of the wrapper's inner step and master-to-model copy; claim its params for the clip."""
-    model_of = {id(main): model for models, mains in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups)
-                for model, main in zip(models, mains)}
-    one_pass = OnePassAdamW(wrapper.optimizer, model_of)
+    one_pass = OnePassAdamW(wrapper.optimizer, model_copies_of(wrapper))
     clip_deferral.claim(wrapper, one_pass)
     original_step = wrapper.step_with_ready_grads
 
@@ -80,6 +78,12 @@ def _attach(wrapper) -> OnePassAdamW:
     wrapper.step_with_ready_grads = step_with_ready_grads
     wrapper.one_pass_adamw = one_pass  # lives as long as the wrapper
     return one_pass
+
+
+def model_copies_of(wrapper) -> dict[int, torch.Tensor]:
+    """id(fp32 master weight) -> the 16-bit model parameter megatron's mixed-precision wrapper copies it into."""
+    return {id(main): model for models, mains in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups)
+            for model, main in zip(models, mains)}
 
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -138,8 +142,9 @@ class OnePassAdamW:
 
     def _run_group(self, group: dict, params: list[torch.Tensor]) -> None:
         states = [self._state(p) for p in params]
-        counts = self._step_counts([state["step"] for state in states])
-        torch._foreach_add_([state["step"] for state in states], 1.0)
+        steps = [state["step"] for state in states]
+        counts = self._step_counts(steps)
+        torch._foreach_add_(steps, 1.0)
         beta1, beta2 = group["betas"]
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
         decoupled = isinstance(self.inner, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
