@@ -80,7 +80,8 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
     model = wrap_model(module, config, recipe, fast_main_grad_add=rung.main_grad_add)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     install_fast_paths(optimizer, fused_adam=rung.fused_adam, one_pass_adamw=rung.one_pass_adamw,
-                       muon_clip_in_momentum=rung.muon_clip_in_momentum, main_grad_add=False)  # wrap_model hooked it
+                       muon_clip_in_momentum=rung.muon_clip_in_momentum, muon_model_copy=rung.muon_model_copy,
+                       main_grad_add=False)  # wrap_model hooked it
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, config

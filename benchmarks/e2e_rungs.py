@@ -21,6 +21,8 @@ attention fit at 16k (rung 1 materializes a 16 x 16k x 16k score matrix per atte
 passes (the gain of `megatron_muon.megatron.master_adamw`, measured in the same run).
 `6c` is rung 6 with megatron's clip multiply instead of the factor inside our Muon's momentum pass (the gain of
 `megatron_muon.megatron.clip_deferral.install_for_muon`, measured in the same run).
+`6w` is rung 6 with megatron's master-to-model copy instead of the copies written by our Muon's update pass (the
+gain of `megatron_muon.megatron.muon_model_copy`, measured in the same run).
 `4e` (our spec, eager, AdamW) is an extra rung: it isolates the compile gain on our spec and gives the
 eager-vs-compiled loss comparison.
 
@@ -47,6 +49,7 @@ class Rung:
     main_grad_add: bool = False  # gradients added into DDP's fp32 buffers by our vectorized pass, not megatron's add_
     one_pass_adamw: bool = False  # clip factor, AdamW and 16-bit model copy in one pass (with fused_adam)
     muon_clip_in_momentum: bool = False  # megatron's clip applied inside our Muon's fused momentum pass
+    muon_model_copy: bool = False  # the bf16 model copies written by our Muon's fused update pass
 
 
 RUNGS = {
@@ -66,9 +69,11 @@ RUNGS = {
     "5": Rung("5", "AdamW -> megatron-core Muon", "ours", "cudnn", True, "mcore_muon", True, main_grad_add=True,
               one_pass_adamw=True),
     "6": Rung("6", "-> our Muon", "ours", "cudnn", True, "muon", True, main_grad_add=True, one_pass_adamw=True,
-              muon_clip_in_momentum=True),
+              muon_clip_in_momentum=True, muon_model_copy=True),
     "6c": Rung("6c", "rung 6 with megatron's clip multiply before our Muon", "ours", "cudnn", True, "muon", True,
-               main_grad_add=True, one_pass_adamw=True),
+               main_grad_add=True, one_pass_adamw=True, muon_model_copy=True),
+    "6w": Rung("6w", "rung 6 with megatron's master-to-model copy after our Muon", "ours", "cudnn", True, "muon",
+               True, main_grad_add=True, one_pass_adamw=True, muon_clip_in_momentum=True),
 }
 DEFAULT_RUNGS = ("1", "1r", "2", "3", "4e", "4", "5", "6")
 

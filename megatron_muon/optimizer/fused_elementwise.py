@@ -132,27 +132,34 @@ def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool, 
     )  # fmt: skip
 
 
-def decay_and_update_(target, update, *, decay: float, alpha: float) -> None:
+def decay_and_update_(target, update, *, decay: float, alpha: float, model=None) -> None:
     """target ← target·decay + alpha·update, computed in fp32 and stored in the target's dtype; `update` (the NS
-    result, often narrower) is read as it is. One pass per piece on the GPU.
+    result, often narrower) is read as it is; `model` (a 16-bit copy of the target, same shape) ← the new target
+    rounded. One pass per piece on the GPU.
 
-    Equals `target.mul_(decay)` followed by `muon_math.apply_updates_` (lr·scale = -alpha) on the same tensors.
+    Equals `target.mul_(decay)` followed by `muon_math.apply_updates_` (lr·scale = -alpha) and `model.copy_(target)`
+    on the same tensors.
     """
-    assert target.shape == update.shape, (target.shape, update.shape)
+    assert target.shape == update.shape and (model is None or model.shape == target.shape)
     geometry = _blocks_rows_cols(target)
-    strides = [_strides(t) for t in (target, update)] if geometry is not None else [None]
+    roles = (target, update) if model is None else (target, update, model)
+    strides = [_strides(t) for t in roles] if geometry is not None else [None]
     if triton is None or any(s is None for s in strides) or not supported(target.device):
         if decay != 1.0:
             target.mul_(decay)
         muon_math.apply_updates_([target], [update], lr=-alpha, scale=1.0)
+        if model is not None:
+            model.copy_(target)
         return
     blocks, rows, cols = geometry
     if blocks * rows * cols == 0:
         return
     grid, tile = _launch(blocks * rows, cols)
+    model_strides = strides[2] if model is not None else (0, 0)
     _decay_update_kernel[grid](
         target, update, blocks * rows, rows, cols, *strides[0], *strides[1], float(decay), float(alpha), target, 0,
-        EMULATE=_INTERPRETING, PIECES=False, **tile,
+        target if model is None else model, *model_strides, target, EMULATE=_INTERPRETING, PIECES=False,
+        HAS_MODEL=model is not None, **tile,
     )  # fmt: skip
 
 
@@ -260,13 +267,16 @@ if triton is not None:
     def _decay_update_kernel(
         Target, Update, total_rows, rows, cols,
         target_block_stride, target_row_stride, update_block_stride, update_row_stride,
-        decay, alpha, TargetOffsets, update_piece_stride,
+        decay, alpha, TargetOffsets, update_piece_stride, Model, model_block_stride, model_row_stride, ModelOffsets,
         EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PIECES: tl.constexpr,
+        HAS_MODEL: tl.constexpr,
     ):  # fmt: skip
         if PIECES:  # grid axis 2 walks same-geometry pieces: element offsets from Target, updates stacked
             piece = tl.program_id(2)
             Target += tl.load(TargetOffsets + piece)
             Update += piece.to(tl.int64) * update_piece_stride
+            if HAS_MODEL:
+                Model += tl.load(ModelOffsets + piece)
         block, row, col, mask = _tile(total_rows, rows, cols, ROWS, BLOCK)
         target_at = _at(Target, block, row, col, target_block_stride, target_row_stride)
         update_at = _at(Update, block, row, col, update_block_stride, update_row_stride)
@@ -277,3 +287,7 @@ if triton is not None:
         decayed = _through(target * _fp32_scalar(decay, EMULATE), target_dtype, EMULATE)
         new = _fma(_fp32_scalar(alpha, EMULATE), update, decayed, EMULATE)
         tl.store(target_at, _round(new, target_dtype, EMULATE), mask=mask)
+        if HAS_MODEL:  # the 16-bit model copy of an fp32 master: the stored value rounded, as torch's copy_
+            model_at = _at(Model, block, row, col, model_block_stride, model_row_stride)
+            tl.store(model_at, _round(_through(new, target_dtype, EMULATE), Model.dtype.element_ty, EMULATE),
+                     mask=mask)

@@ -91,17 +91,20 @@ def momentum_into_slots_(grads, buffers, slots, *, momentum: float, nesterov: bo
     return True
 
 
-def decay_and_update_pieces_(targets, updates, *, decay: float, alpha: float) -> bool:
-    """`fused_elementwise.decay_and_update_` on every (target, update) pair in one launch; `updates` must be
+def decay_and_update_pieces_(targets, updates, *, decay: float, alpha: float, models=None) -> bool:
+    """`fused_elementwise.decay_and_update_` on every (target, update[, model]) in one launch; `updates` must be
     evenly spaced slices of one tensor (the NS result). False (nothing done) when the pieces do not qualify."""
-    qualified = _qualify([list(targets)], list(updates))
+    varied = [list(targets)] if models is None else [list(targets), list(models)]
+    qualified = _qualify(varied, list(updates))
     if qualified is None:
         return False
-    (blocks, rows, cols), strides, (target_offsets,), update_spacing = qualified
+    (blocks, rows, cols), strides, tables, update_spacing = qualified
+    model_strides, model_offsets = (strides[1], tables[1]) if models is not None else ((0, 0), tables[0])
     grid, tile = single._launch(blocks * rows, cols)
     single._decay_update_kernel[(*grid, len(targets))](
-        targets[0], updates[0], blocks * rows, rows, cols, *strides[0], *strides[1], float(decay), float(alpha),
-        target_offsets, update_spacing, EMULATE=single._INTERPRETING, PIECES=True, **tile,
+        targets[0], updates[0], blocks * rows, rows, cols, *strides[0], *strides[-1], float(decay), float(alpha),
+        tables[0], update_spacing, targets[0] if models is None else models[0], *model_strides, model_offsets,
+        EMULATE=single._INTERPRETING, PIECES=True, HAS_MODEL=models is not None, **tile,
     )  # fmt: skip
     return True
 

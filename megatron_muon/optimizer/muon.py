@@ -147,6 +147,9 @@ class Muon(torch.optim.Optimizer):
         # megatron's deferred clip (`megatron.clip_deferral`): the next step multiplies each gradient by this
         # one-element fp32 tensor as it reads it, inside the fused momentum pass where it can
         self.pending_grad_factor: torch.Tensor | None = None
+        # id(parameter) -> its 16-bit model copy (megatron's fp32 masters): each step writes the updated parameter
+        # rounded into it, inside the fused update pass where it can (`megatron.muon_model_copy`)
+        self.model_copies: dict[int, torch.Tensor] = {}
         super().__init__(params, defaults)
 
     # ---- setup and validation ----
@@ -304,21 +307,23 @@ class Muon(torch.optim.Optimizer):
             narrow = all(params[index].dtype == torch.float32 for index, _ in bucket.items)
             with record_function(f"muon.orthogonalize {bucket.shape}"):
                 ortho, full_shape = self._orthogonalize_bucket(bucket, stacked, narrow_result=narrow)
-            by_group: dict[int, tuple[list, list]] = {}
+            by_group: dict[int, tuple[list, list, list]] = {}
             offset = 0
             for index, piece_index in bucket.items:
                 target = piece_views(params[index], plan.layouts[index])[piece_index]
+                model = self.model_copies.get(id(params[index]))
                 count = target.shape[0]
                 chunk = ortho[offset : offset + count].reshape(target.shape)
                 offset += count
-                by_group.setdefault(group_of[index], ([], []))
-                by_group[group_of[index]][0].append(target)
-                by_group[group_of[index]][1].append(chunk)
-            for owner, (group_targets, chunks) in by_group.items():
+                targets, chunks, models = by_group.setdefault(group_of[index], ([], [], []))
+                targets.append(target)
+                chunks.append(chunk)
+                models.append(None if model is None else piece_views(model, plan.layouts[index])[piece_index])
+            for owner, (group_targets, chunks, models) in by_group.items():
                 group = self.param_groups[owner]
                 scale = muon_math.update_scale(full_shape, group["scale_mode"], group["extra_scale"])
                 with record_function(f"muon.apply_updates {bucket.shape}"):
-                    self._apply_updates(owner, group_targets, chunks, scale, fused)
+                    self._apply_updates(owner, group_targets, chunks, scale, fused, models)
         return loss
 
     def _momentum_sources(self, params, grads, group_of, fused: bool, factor) -> list[_Source]:
@@ -350,18 +355,26 @@ class Muon(torch.optim.Optimizer):
                 )
         return sources
 
-    def _apply_updates(self, group_index: int, targets, chunks, scale: float, fused: bool) -> None:
-        """targets ← targets - lr·scale·chunks; fused, the group's weight decay is applied in the same pass."""
+    def _apply_updates(self, group_index: int, targets, chunks, scale: float, fused: bool, models=None) -> None:
+        """targets ← targets - lr·scale·chunks, and each model copy (None: none) ← its target rounded; fused, the
+        group's weight decay and the copies are written in the same pass."""
         group = self.param_groups[group_index]
+        models = [None] * len(targets) if models is None else models
         if not fused:
             muon_math.apply_updates_(targets, chunks, lr=group["lr"], scale=scale)
+            pairs = [(model, target) for model, target in zip(models, targets) if model is not None]
+            if pairs:
+                torch._foreach_copy_(*map(list, zip(*pairs)))
             return
         decay = muon_math.weight_decay_factor(lr=group["lr"], weight_decay=group["weight_decay"],
                                               mode=group["weight_decay_mode"])
         options = dict(decay=decay, alpha=-group["lr"] * scale)
-        if not fused_pieces.decay_and_update_pieces_(targets, chunks, **options):  # one launch for all pieces
-            for target, chunk in zip(targets, chunks):
-                fused_passes.decay_and_update_(target, chunk, **options)
+        copies = sum(model is not None for model in models)
+        one_launch = copies in (0, len(models)) and fused_pieces.decay_and_update_pieces_(
+            targets, chunks, models=models if copies else None, **options)
+        if not one_launch:
+            for target, chunk, model in zip(targets, chunks, models):
+                fused_passes.decay_and_update_(target, chunk, model=model, **options)
 
     def _stack_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return muon_math.stack_dtype(grad_dtype, self.compute_dtype)

@@ -226,7 +226,8 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     fast_paths = install_fast_paths(  # wrap_model already hooked the gradient add
         optimizer, one_pass_adamw=recipe.optimizer.one_pass_adamw,
-        muon_clip_in_momentum=recipe.optimizer.muon_clip_in_momentum, main_grad_add=False)
+        muon_clip_in_momentum=recipe.optimizer.muon_clip_in_momentum,
+        muon_model_copy=recipe.optimizer.muon_model_copy, main_grad_add=False)
     scheduler = lr_scheduler(recipe, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -249,7 +250,8 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
             "all_sdpa_flops_per_token": mfu_of.all_attention_flops_per_token, "peak_tflops_per_gpu": peak,
             "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
             "optimizer_classes": optimizer_classes(optimizer),
-            **{key: fast_paths[key] for key in ("fused_adam_groups", "one_pass_adamw", "muon_clip_in_momentum")},
+            **{key: fast_paths[key] for key in ("fused_adam_groups", "one_pass_adamw", "muon_clip_in_momentum",
+                                                "muon_model_copy")},
         })
     return _Run(model, optimizer, scheduler, batches, mfu_of, tokens_per_step, start_step, output_dir, log)
 

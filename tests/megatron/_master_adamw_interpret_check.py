@@ -149,9 +149,14 @@ def check_through_megatron():
     assert model_copies
 
 
-def _train_muon(fold: bool, steps: int = 3):
+def _train_muon(fold: bool, model_copy: bool = False, steps: int = 3):
+    """Muon in bf16 through megatron, every step clipped: (installed, factor pending per step, losses, masters,
+    bf16 model weights, how often megatron's master-to-model copy ran)."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
     import megatron_muon
     from megatron_muon.megatron import clip_deferral
+    from megatron_muon.megatron.muon_model_copy import install_muon_model_copy
     from megatron_muon.testing.parallel import init_model_parallel
     from megatron_muon.testing.training import build_training_setup, train_step
 
@@ -159,33 +164,58 @@ def _train_muon(fold: bool, steps: int = 3):
     init_model_parallel(1, 1)
     torch.manual_seed(0)
     model, optimizer = build_training_setup("muon", bf16=True, lr=1e-2, clip_grad=0.05)
-    folded = clip_deferral.install_for_muon(optimizer) if fold else 0
+    installed = clip_deferral.install_for_muon(optimizer) if fold else 0
+    installed += install_muon_model_copy(optimizer) if model_copy else 0
     muon = next(part.optimizer for part in optimizer.chained_optimizers
                 if hasattr(part.optimizer, "pending_grad_factor"))
-    factors = []
-    step = muon.step
+    factors, copies = [], []
+    step, copy = muon.step, Float16OptimizerWithFloat16Params._copy_main_params_to_model_params
 
     def recording_step(*args, **kwargs):
         factors.append(muon.pending_grad_factor is not None)
         return step(*args, **kwargs)
 
+    def counting_copy(wrapper):
+        copies.append(wrapper.optimizer is muon)
+        return copy(wrapper)
+
     muon.step = recording_step
-    losses = [train_step(model, optimizer, i) for i in range(steps)]
+    Float16OptimizerWithFloat16Params._copy_main_params_to_model_params = counting_copy
+    try:
+        losses = [train_step(model, optimizer, i) for i in range(steps)]
+    finally:
+        Float16OptimizerWithFloat16Params._copy_main_params_to_model_params = copy
     masters = [p.detach().clone() for part in optimizer.chained_optimizers
                for group in part.fp32_from_float16_groups for p in group]
-    return folded, factors, losses, masters
+    weights = [p.detach().clone() for p in model.parameters()]
+    return installed, factors, losses, masters, weights, copies.count(True)
 
 
 def check_muon_clip_fold():
     from megatron_muon.testing.parallel import destroy_model_parallel
 
     destroy_model_parallel()
-    _, reference_factors, reference_losses, reference_masters = _train_muon(fold=False)
+    _, reference_factors, reference_losses, reference_masters, _, _ = _train_muon(fold=False)
     destroy_model_parallel()
-    folded, factors, losses, masters = _train_muon(fold=True)
+    folded, factors, losses, masters, _, _ = _train_muon(fold=True)
     assert folded == 1 and factors == [True] * len(losses) and reference_factors == [False] * len(losses)
     assert losses == reference_losses, (losses, reference_losses)
     assert all(torch.equal(a, b) for a, b in zip(masters, reference_masters))
+
+
+def check_muon_model_copy():
+    """Muon's update pass writing the bf16 model copies trains bit for bit as megatron's copy after the step, and
+    megatron's copy no longer runs for Muon's wrapper."""
+    from megatron_muon.testing.parallel import destroy_model_parallel
+
+    destroy_model_parallel()
+    _, _, reference_losses, reference_masters, reference_weights, reference_copies = _train_muon(fold=True)
+    destroy_model_parallel()
+    installed, _, losses, masters, weights, copies = _train_muon(fold=True, model_copy=True)
+    assert installed == 2 and reference_copies == len(losses) and copies == 0, (installed, reference_copies, copies)
+    assert losses == reference_losses, (losses, reference_losses)
+    assert all(torch.equal(a, b) for a, b in zip(masters, reference_masters))
+    assert all(torch.equal(a, b) for a, b in zip(weights, reference_weights))
 
 
 def main():
@@ -193,6 +223,7 @@ def main():
     check_parameters_that_miss_steps()
     check_through_megatron()
     check_muon_clip_fold()
+    check_muon_model_copy()
     print("interpreter ok")
 
 

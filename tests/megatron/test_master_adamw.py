@@ -134,22 +134,24 @@ def test_the_muon_clip_fold_needs_the_fused_momentum_pass(rank_pool_1):
     assert rank_pool_1.run(_muon_fold_on_cpu) == [0]  # on CPU Muon's momentum is foreach: megatron keeps the clip
 
 
-def _train_muon_on_gpu(fold: bool):
+def _train_muon_on_gpu(fold: bool, model_copy: bool = False):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import megatron_muon
     from megatron_muon.megatron import clip_deferral
+    from megatron_muon.megatron.muon_model_copy import install_muon_model_copy
     from megatron_muon.testing.training import build_training_setup, train_step
 
     megatron_muon.register()
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     model, optimizer = build_training_setup("muon", bf16=True, lr=1e-2, clip_grad=0.05)
-    folded = clip_deferral.install_for_muon(optimizer) if fold else 0
+    installed = clip_deferral.install_for_muon(optimizer) if fold else 0
+    installed += install_muon_model_copy(optimizer) if model_copy else 0
     losses = [train_step(model, optimizer, step) for step in range(3)]
     masters = [p.detach().clone() for part in optimizer.chained_optimizers
                for group in part.fp32_from_float16_groups for p in group]
-    return folded, losses, masters
+    return installed, losses, masters, [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.gpu
@@ -159,3 +161,13 @@ def test_on_the_gpu_the_muon_clip_fold_trains_bit_for_bit_as_megatrons_clip(sing
     assert reference[0] == 0 and folded[0] == 1
     assert folded[1] == reference[1]
     assert all(torch.equal(a, b) for a, b in zip(folded[2], reference[2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_muons_model_copies_train_bit_for_bit_as_megatrons_copy(single_gpu_model_parallel):
+    reference, ours = _train_muon_on_gpu(True), _train_muon_on_gpu(True, model_copy=True)
+    assert reference[0] == 1 and ours[0] == 2
+    assert ours[1] == reference[1]
+    assert all(torch.equal(a, b) for a, b in zip(ours[2], reference[2]))
+    assert all(torch.equal(a, b) for a, b in zip(ours[3], reference[3]))

@@ -108,6 +108,35 @@ def check_clip_factor(generator) -> None:
         check(all(torch.equal(a, b) for a, b in zip(grads, before)), f"{case}: the gradients were changed")
 
 
+def check_model_copies(generator) -> None:
+    """With a 16-bit model copy, decay+update also writes the new target rounded as torch's copy_ rounds, per piece
+    and in one launch; the update itself is the one without a copy, and the rest of the copy's tensor is untouched."""
+    for model_dtype in (torch.bfloat16, torch.float16):
+        targets = [torch.randn(3, 12, 37, generator=generator)[:, 2:8] for _ in range(3)]
+        updates = torch.randn(3, 3, 6, 37, generator=generator).half()
+        model_bases = [torch.randn(3, 12, 37, generator=generator).to(model_dtype) for _ in range(3)]
+        expected_targets = [t.clone() for t in targets]
+        for target, update in zip(expected_targets, updates):
+            fused_elementwise.decay_and_update_(target, update, decay=0.99, alpha=-0.03)
+        for how in ("per piece", "pieces"):
+            got_targets = [t.clone() for t in targets]
+            got_bases = [base.clone() for base in model_bases]
+            models = [base[:, 2:8] for base in got_bases]
+            if how == "pieces":
+                check(fused_pieces.decay_and_update_pieces_(got_targets, list(updates), decay=0.99, alpha=-0.03,
+                                                            models=models), f"model copy {model_dtype}: not one launch")
+            else:
+                for target, update, model in zip(got_targets, updates, models):
+                    fused_elementwise.decay_and_update_(target, update, decay=0.99, alpha=-0.03, model=model)
+            case = f"model copy {model_dtype} {how}"
+            check(all(torch.equal(a, b) for a, b in zip(got_targets, expected_targets)), f"{case}: targets differ")
+            check(all(torch.equal(m, t.to(model_dtype)) for m, t in zip(models, expected_targets)),
+                  f"{case}: the copy is not the new target rounded")
+            for got, base in zip(got_bases, model_bases):
+                check(torch.equal(got[:, :2], base[:, :2]) and torch.equal(got[:, 8:], base[:, 8:]),
+                      f"{case}: rows outside the copy were written")
+
+
 def check_pieces_in_one_launch(generator) -> None:
     """fused_pieces against the per-piece passes, bit for bit: pieces in separate tensors (any element offset
     between them), slots / updates evenly spaced in one stacked tensor; unqualified pieces are left untouched."""
@@ -245,6 +274,7 @@ def main() -> None:
     check_momentum(generator)
     check_decay_and_update(generator)
     check_pieces_in_one_launch(generator)
+    check_model_copies(torch.Generator().manual_seed(2))
     check_clip_factor(torch.Generator().manual_seed(1))  # its own stream: the later checks keep their inputs
     check_uncovered_fall_back(generator)
     check_muon(generator)
