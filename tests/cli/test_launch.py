@@ -61,6 +61,7 @@ def test_the_fast_paths_train_through_megatron_lm_as_megatrons_own_passes(tmp_pa
     ours = _launch(tmp_path / "fast", *extra, env_extra=interpreter)
     reference = _launch(tmp_path / "megatron", *extra, launch_flags=("--no-fast-paths",), env_extra=interpreter)
     assert ours["fast_paths"]["one_pass_adamw"] == 1 and ours["fast_paths"]["muon_clip_in_momentum"] == 1, ours
+    assert ours["fast_paths"]["muon_model_copy"] == 1, ours
     assert reference["fast_paths"] is None
     assert ours["losses"][:8] == pytest.approx(reference["losses"][:8], rel=1e-6, abs=0)
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-3, abs=0)
