@@ -109,6 +109,17 @@ def decay_and_update_pieces_(targets, updates, *, decay: float, alpha: float, mo
     return True
 
 
+def decay_and_update_all_(targets, updates, models, *, decay: float, alpha: float) -> None:
+    """`decay_and_update_pieces_` where the pieces qualify (and all or none of them have a model copy; None: none),
+    else `fused_elementwise.decay_and_update_` piece by piece."""
+    copies = sum(model is not None for model in models)
+    if copies in (0, len(models)) and decay_and_update_pieces_(targets, updates, decay=decay, alpha=alpha,
+                                                               models=models if copies else None):
+        return
+    for target, update, model in zip(targets, updates, models):
+        single.decay_and_update_(target, update, decay=decay, alpha=alpha, model=model)
+
+
 def runs_by_group(items: list[tuple]) -> list[tuple[int, list[tuple]]]:
     """(group, [fields...]) items as runs of consecutive items of one group: (group, [fields, ...]) each."""
     runs: list[tuple[int, list[tuple]]] = []

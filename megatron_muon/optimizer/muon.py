@@ -368,13 +368,7 @@ class Muon(torch.optim.Optimizer):
             return
         decay = muon_math.weight_decay_factor(lr=group["lr"], weight_decay=group["weight_decay"],
                                               mode=group["weight_decay_mode"])
-        options = dict(decay=decay, alpha=-group["lr"] * scale)
-        copies = sum(model is not None for model in models)
-        one_launch = copies in (0, len(models)) and fused_pieces.decay_and_update_pieces_(
-            targets, chunks, models=models if copies else None, **options)
-        if not one_launch:
-            for target, chunk, model in zip(targets, chunks, models):
-                fused_passes.decay_and_update_(target, chunk, model=model, **options)
+        fused_pieces.decay_and_update_all_(targets, chunks, models, decay=decay, alpha=-group["lr"] * scale)
 
     def _stack_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return muon_math.stack_dtype(grad_dtype, self.compute_dtype)
