@@ -9,6 +9,8 @@ for that step. Where the pass is not fused, Muon copies after its update, as the
 
 from __future__ import annotations
 
+from megatron_muon.megatron.master_adamw import model_copies_of
+
 
 def install_muon_model_copy(optimizer) -> int:
     """Let every Muon (ours) inside megatron's mixed-precision wrappers whose update pass is fused on the
@@ -37,9 +39,7 @@ def install_muon_model_copy(optimizer) -> int:
 
 
 def _attach(wrapper, muon) -> None:
-    muon.model_copies = {id(main): model
-                         for models, mains in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups)
-                         for model, main in zip(models, mains)}
+    muon.model_copies = model_copies_of(wrapper)
     original_step = wrapper.step_with_ready_grads
 
     def step_with_ready_grads():
