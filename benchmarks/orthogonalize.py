@@ -1,7 +1,8 @@
 """Orthogonalization speed on the reference model's 96 Megatron-fused matrices, all baselines in one run (GPU).
 
 Methods: torch.optim.Muon's per-matrix NS (its internal `_zeropower_via_newtonschulz`), our standard / gram / auto
-(stacked per shape, Triton symmetric kernels), our gram on the torch backend, auto with restarts before iterations
+(stacked per shape, Triton symmetric kernels), auto with the symmetric kernels' loads restricted to pointers (no TMA),
+our gram on the torch backend, auto with restarts before iterations
 2 and 4 (the default before restarts followed the coefficients), and megatron-core's emerging_optimizers
 `newton_schulz` (per matrix, fp32 input as Megatron passes it; once with fp32 GEMMs, once in its bf16 mode).
 Inputs are pre-stacked per shape (stacking is the optimizer's job).
@@ -92,6 +93,7 @@ def method_table():
         lambda G: orthogonalize(G, method="gram", backend="torch"),
         "gram_torch",
     )
+    table["ours auto, pointer loads (no TMA)"] = ("stack", lambda G: _without_tma(orthogonalize, G), "auto")
     table["ours auto, torch input pass"] = ("stack", lambda G: _with_torch_input_pass(orthogonalize, G), "auto")
     table["ours auto, restarts (2, 4)"] = (
         "stack",
@@ -116,6 +118,18 @@ def _with_torch_input_pass(fn, G):
         return fn(G)
     finally:
         TritonOps.scaled_copy = triton_pass
+
+
+def _without_tma(fn, G):
+    """`fn(G)` with the symmetric products loading A and B through pointers instead of TMA descriptors."""
+    from megatron_muon.kernels import symmetric
+
+    tma_ready = symmetric.tma_ready
+    symmetric.tma_ready = lambda *tensors: False
+    try:
+        return fn(G)
+    finally:
+        symmetric.tma_ready = tma_ready
 
 
 def executed_flops(method: str, m: int, n: int, count: int) -> int:
@@ -214,19 +228,24 @@ def kernel_lines(args) -> list[str]:
     from megatron_muon.kernels.symmetric import symmetric_matmul
 
     lines = [
-        "| product | shape | cuBLAS ms | Triton ms | Triton full-GEMM-equivalent TFLOP/s |",
-        "|---|---|---:|---:|---:|",
+        "| product | shape | cuBLAS ms | Triton, pointer loads ms | Triton, TMA ms | Triton, autotuned ms "
+        "| autotuned full-GEMM-equivalent TFLOP/s |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for b, m, k, with_c in ((24, 2048, 11264, False), (18, 2048, 9216, False), (24, 2048, 2048, True)):
+    for b, m, k, with_c in ((24, 2048, 11264, False), (18, 2048, 9216, False), (24, 2048, 2048, True),
+                            (36, 1536, 2048, True)):
         X = torch.randn(b, m, k, device="cuda", dtype=torch.float16) / k**0.5
         C = TorchOps.sym_mm(X[..., :m], X[..., :m]) if with_c else None
         A = C if with_c else X
         t_torch = cuda_ms(lambda: TorchOps.sym_mm(A, A, C, 2.0, -1.0), args.warmup, args.reps)
-        t_triton = cuda_ms(lambda: symmetric_matmul(A, A, C, 2.0, -1.0), args.warmup, args.reps)
+        t_pointer = cuda_ms(lambda: symmetric_matmul(A, A, C, 2.0, -1.0, tma=False), args.warmup, args.reps)
+        t_tma = cuda_ms(lambda: symmetric_matmul(A, A, C, 2.0, -1.0, tma=True), args.warmup, args.reps)
+        t_auto = cuda_ms(lambda: symmetric_matmul(A, A, C, 2.0, -1.0), args.warmup, args.reps)
         inner = A.size(-1)
         label = "b·A + c·A²" if with_c else "X·Xᵀ"
-        tflops = 2 * b * m * m * inner / t_triton / 1e9
-        lines.append(f"| {label} | {b}×{m}×{inner} | {t_torch:.3f} | {t_triton:.3f} | {tflops:.0f} |")
+        tflops = 2 * b * m * m * inner / t_auto / 1e9
+        lines.append(f"| {label} | {b}×{m}×{inner} | {t_torch:.3f} | {t_pointer:.3f} | {t_tma:.3f} | {t_auto:.3f} "
+                     f"| {tflops:.0f} |")
         print(lines[-1], flush=True)
     return lines + ["", "NS input pass (X / ‖X‖_F, cast to fp16, long side padded to 64) alone:", "",
                     *input_pass_lines(args)]

@@ -3,8 +3,10 @@
 Covers X·Xᵀ (B = A), b·R + c·R² (B = C = R) and products of commuting symmetric matrices (Q·Z, R·Z). Only the
 tiles on and below the diagonal are computed; each off-diagonal tile is stored twice (itself and its mirror), so
 the products cost about half a GEMM. Batched over dim 0; every offset is computed in int64 so a batch whose
-elements start beyond 2³¹ elements indexes correctly. Autotuned per (rows, inner dim) on the GPU; a fixed small
-config under TRITON_INTERPRET=1 (CPU debugging).
+elements start beyond 2³¹ elements indexes correctly. A and B stream in through pointer loads or, on Hopper, through
+the tensor-memory accelerator (TMA); the autotuner picks the load style with the tiles per (rows, inner dim), since
+neither wins every shape (benchmarks/results/orthogonalize_tma.md). A fixed small config under TRITON_INTERPRET=1
+(CPU debugging).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _lower_tile_coordinates(pid):
 
 @triton.jit
 def _sym_mm_kernel(
-    A, B, C, Out,
+    A, B, a_desc, b_desc, C, Out,
     M, K,
     stride_a_batch, stride_a_row, stride_a_col,
     stride_b_batch, stride_b_row, stride_b_col,
@@ -39,31 +41,40 @@ def _sym_mm_kernel(
     stride_o_batch, stride_o_row, stride_o_col,
     alpha, beta,
     HAS_C: tl.constexpr,
+    LOADS: tl.constexpr,
+    USE_TMA: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
 ):  # fmt: skip
+    """One lower-triangular tile per program. `LOADS` (the load styles allowed) only keys the autotuner; `USE_TMA`
+    (a config choice) reads A and B through 3-D [batch, rows, inner] descriptors, which zero-fill every edge."""
     pid = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(1).to(tl.int64)
     tile_i, tile_j = _lower_tile_coordinates(pid)
     rows = tile_i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     cols = tile_j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    inner = tl.arange(0, BLOCK_K).to(tl.int64)
-
-    a_ptrs = A + batch * stride_a_batch + rows[:, None] * stride_a_row + inner[None, :] * stride_a_col
-    b_ptrs = B + batch * stride_b_batch + cols[None, :] * stride_b_row + inner[:, None] * stride_b_col
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN:  # no masks: lets the loads vectorize and pipeline (every reference shape takes this path)
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = (k0 + inner) < K
-            a = tl.load(a_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=(cols[None, :] < M) & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_a_col
-        b_ptrs += BLOCK_K * stride_b_col
+    if USE_TMA:
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([batch.to(tl.int32), (tile_i * BLOCK).to(tl.int32), k0]).reshape(BLOCK, BLOCK_K)
+            b = b_desc.load([batch.to(tl.int32), (tile_j * BLOCK).to(tl.int32), k0]).reshape(BLOCK, BLOCK_K)
+            acc = tl.dot(a, b.T, acc)
+    else:
+        inner = tl.arange(0, BLOCK_K).to(tl.int64)
+        a_ptrs = A + batch * stride_a_batch + rows[:, None] * stride_a_row + inner[None, :] * stride_a_col
+        b_ptrs = B + batch * stride_b_batch + cols[None, :] * stride_b_row + inner[:, None] * stride_b_col
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN:  # no masks: lets the loads vectorize and pipeline
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = (k0 + inner) < K
+                a = tl.load(a_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=(cols[None, :] < M) & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_a_col
+            b_ptrs += BLOCK_K * stride_b_col
 
     acc = acc * alpha
     inside = (rows[:, None] < M) & (cols[None, :] < M)
@@ -79,6 +90,10 @@ def _sym_mm_kernel(
         tl.store(mirror_ptrs, mirrored, mask=(cols[:, None] < M) & (rows[None, :] < M))
 
 
+# TMA descriptors carry their block shape, so every TMA config shares one (128 × 64 won every measured shape).
+TMA_BLOCK, TMA_BLOCK_K = 128, 64
+
+
 def _configs():
     configs = []
     for block, block_k, warps, stages in [
@@ -91,17 +106,28 @@ def _configs():
         (64, 64, 4, 4),
         (64, 128, 4, 3),
     ]:
-        configs.append(triton.Config({"BLOCK": block, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages))
+        configs.append(triton.Config({"BLOCK": block, "BLOCK_K": block_k, "USE_TMA": False},
+                                     num_warps=warps, num_stages=stages))
+    for warps, stages in [(8, 3), (8, 4), (4, 4)]:
+        configs.append(triton.Config({"BLOCK": TMA_BLOCK, "BLOCK_K": TMA_BLOCK_K, "USE_TMA": True},
+                                     num_warps=warps, num_stages=stages))
     return configs
 
 
+def _allowed_loads(configs, named_args, **kwargs):
+    """Keep the configs whose load style `LOADS` allows ('pointer', 'tma' or 'any')."""
+    loads = kwargs["LOADS"]
+    return [c for c in configs if loads == "any" or c.kwargs["USE_TMA"] == (loads == "tma")]
+
+
 def _tiles_divide(args) -> bool:
-    """M and K are multiples of the tile sizes: the kernel may drop its bounds masks."""
+    """M and K are multiples of the tile sizes: the pointer loads may drop their bounds masks."""
     return args["M"] % args["BLOCK"] == 0 and args["K"] % args["BLOCK_K"] == 0
 
 
 _sym_mm_heuristic = triton.heuristics({"EVEN": _tiles_divide})(_sym_mm_kernel)
-_sym_mm_tuned = triton.autotune(configs=_configs(), key=["M", "K", "HAS_C"])(_sym_mm_heuristic)
+_sym_mm_tuned = triton.autotune(configs=_configs(), key=["M", "K", "HAS_C", "LOADS"],
+                                prune_configs_by={"early_config_prune": _allowed_loads})(_sym_mm_heuristic)
 _INTERPRET_CONFIG = {"BLOCK": 16, "BLOCK_K": 16}
 
 
@@ -109,33 +135,61 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def symmetric_matmul(A, B, C=None, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
-    """alpha·A·Bᵀ + beta·C for batched A, B [b, m, k] and C [b, m, m], assuming the result is symmetric."""
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """TMA needs an sm90+ GPU (or the interpreter), a contiguous inner dim, 16-byte aligned bases and strides."""
+    if not (_interpreting() or (tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9)):
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+
+
+def _descriptor(t: torch.Tensor, block: int, block_k: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block, block_k])
+
+
+def symmetric_matmul(A, B, C=None, alpha: float = 1.0, beta: float = 0.0, tma: bool | None = None) -> torch.Tensor:
+    """alpha·A·Bᵀ + beta·C for batched A, B [b, m, k] and C [b, m, m], assuming the result is symmetric.
+
+    `tma`: True / False restrict A's and B's loads to TMA / pointers; None lets the autotuner choose between them
+    where `tma_ready` (pointers elsewhere)."""
     if A.ndim != 3 or B.shape != A.shape:
         raise ValueError(f"symmetric_matmul needs A and B of the same shape [b, m, k], got {A.shape} and {B.shape}")
     batch, m, k = A.shape
     has_c = C is not None and beta != 0.0
     if has_c and C.shape != (batch, m, m):
         raise ValueError(f"C must be [b, m, m] = {(batch, m, m)}, got {tuple(C.shape)}")
+    ready = tma_ready(A, B)
+    if tma and not ready:
+        raise ValueError("tma=True needs an sm90+ GPU and A, B with a contiguous inner dim and 16-byte aligned "
+                         "strides; pass tma=None to fall back to pointer loads")
     out = torch.empty((batch, m, m), dtype=A.dtype, device=A.device)
     if out.numel() == 0:
         return out
+    loads = "pointer" if tma is False or not ready else ("tma" if tma else "any")
+    block, block_k = (16, 16) if _interpreting() else (TMA_BLOCK, TMA_BLOCK_K)
+    a_desc = b_desc = None
+    if loads != "pointer":
+        a_desc = _descriptor(A, block, block_k)
+        b_desc = a_desc if B is A else _descriptor(B, block, block_k)
     c = C if has_c else out  # an unused pointer when HAS_C is False
     args = (
-        A, B, c, out, m, k,
+        A, B, a_desc, b_desc, c, out, m, k,
         *A.stride(), *B.stride(), *c.stride(), *out.stride(),
         float(alpha), float(beta),
     )  # fmt: skip
     if _interpreting():
         tiles = triton.cdiv(m, _INTERPRET_CONFIG["BLOCK"])
-        _sym_mm_heuristic[(tiles * (tiles + 1) // 2, batch)](*args, HAS_C=has_c, **_INTERPRET_CONFIG)
+        _sym_mm_heuristic[(tiles * (tiles + 1) // 2, batch)](*args, HAS_C=has_c, LOADS=loads,
+                                                             USE_TMA=loads == "tma", **_INTERPRET_CONFIG)
     else:
 
         def grid(meta):
             tiles = triton.cdiv(m, meta["BLOCK"])
             return (tiles * (tiles + 1) // 2, batch)
 
-        _sym_mm_tuned[grid](*args, HAS_C=has_c)
+        _sym_mm_tuned[grid](*args, HAS_C=has_c, LOADS=loads)
     return out
 
 

@@ -1,6 +1,8 @@
 """Run under TRITON_INTERPRET=1 in a subprocess: the Triton kernels (symmetric products, the NS input pass, the
 main_grad accumulation, the clipping scale) on CPU against torch."""
 
+import itertools
+
 import torch
 
 from tests.interpreter import patch_for_numpy_2_5
@@ -18,13 +20,16 @@ from megatron_muon.megatron.main_grad_add import _triton_add  # noqa: E402
 def main():
     g = torch.Generator().manual_seed(0)
     # (1, 16, 16) and (2, 32, 48) divide the 16×16 tiles (the unmasked EVEN path); the others need masks.
-    for batch, m, k in [(2, 40, 72), (1, 16, 16), (2, 32, 48), (3, 33, 5)]:
+    # tma=True: A and B through 3-D TMA descriptors (edges zero-filled per batch element); False: pointer loads.
+    for (batch, m, k), tma in itertools.product([(2, 40, 72), (1, 16, 16), (2, 32, 48), (3, 33, 5)], (False, True)):
         X = torch.randn(batch, m, k, generator=g).half()
-        out = symmetric_matmul(X, X)
+        if tma and k % 8:  # TMA needs 16-byte row strides
+            continue
+        out = symmetric_matmul(X, X, tma=tma)
         assert torch.equal(out, out.mT)
         torch.testing.assert_close(out.float(), TorchOps.sym_mm(X, X).float(), rtol=2e-3, atol=2e-3 * k**0.5)
         R = (TorchOps.sym_mm(X, X).float() / k).half()
-        out = symmetric_matmul(R, R, R, alpha=2.0, beta=-3.0)
+        out = symmetric_matmul(R, R.clone(), R, alpha=2.0, beta=-3.0, tma=tma and m % 8 == 0)
         assert torch.equal(out, out.mT)
         torch.testing.assert_close(out.float(), TorchOps.sym_mm(R, R, R, 2.0, -3.0).float(), rtol=2e-3, atol=2e-3)
     # the NS input pass: any source strides (a transposed view here), zero padding, bit-equal to torch
