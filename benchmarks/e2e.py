@@ -79,9 +79,9 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
         module.forward = torch.compile(module.forward, mode=recipe.training.compile_mode)
     model = wrap_model(module, config, recipe, fast_main_grad_add=rung.main_grad_add)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
-    install_fast_paths(optimizer, fused_adam=rung.fused_adam, one_pass_adamw=rung.one_pass_adamw,
+    install_fast_paths(optimizer, [model], fused_adam=rung.fused_adam, one_pass_adamw=rung.one_pass_adamw,
                        muon_clip_in_momentum=rung.muon_clip_in_momentum, muon_model_copy=rung.muon_model_copy,
-                       main_grad_add=False)  # wrap_model hooked it
+                       main_grad_add=False, first_grad_overwrite=rung.first_grad_overwrite)  # wrap_model hooked the add
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, config

@@ -9,7 +9,8 @@ Each rung is cumulative over the one before it:
                    megatron's torch-AdamW fallback on torch's fused kernel (megatron_muon.megatron.fused_adam;
                    the optimizer column shows its share separately), then clip factor, AdamW and bf16 model copy
                    in one pass (megatron_muon.megatron.master_adamw); gradients added into DDP's fp32 buffers
-                   in one vectorized pass (megatron_muon.megatron.main_grad_add)
+                   in one vectorized pass, the first of each step overwriting them instead of a zeroing pass
+                   (megatron_muon.megatron.main_grad_add)
   5 mcore-muon     AdamW -> megatron-core's own Muon (TensorParallelMuon), on the Muon-eligible matrices
                    (the remaining parameters stay on fused AdamW here and in rung 6)
   6 our-muon       -> our Muon (MegaBatch, batched orthogonalization)
@@ -17,6 +18,8 @@ Each rung is cumulative over the one before it:
 attention fit at 16k (rung 1 materializes a 16 x 16k x 16k score matrix per attention layer and can run out of memory).
 `4m` is rung 4 with megatron's mixed-dtype `main_grad.add_` instead of our vectorized one (the gain of
 `megatron_muon.megatron.main_grad_add`, measured in the same run).
+`4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
+`megatron_muon.megatron.main_grad_add.install_first_grad_overwrite`, measured in the same run).
 `4a` is rung 4 with megatron's clip multiply, torch's fused AdamW and megatron's master-to-model copy as three
 passes (the gain of `megatron_muon.megatron.master_adamw`, measured in the same run).
 `6c` is rung 6 with megatron's clip multiply instead of the factor inside our Muon's momentum pass (the gain of
@@ -50,6 +53,7 @@ class Rung:
     one_pass_adamw: bool = False  # clip factor, AdamW and 16-bit model copy in one pass (with fused_adam)
     muon_clip_in_momentum: bool = False  # megatron's clip applied inside our Muon's fused momentum pass
     muon_model_copy: bool = False  # the bf16 model copies written by our Muon's fused update pass
+    first_grad_overwrite: bool = False  # each step's first gradient overwrites DDP's buffers (no zeroing pass)
 
 
 RUNGS = {
@@ -59,21 +63,23 @@ RUNGS = {
     "2": Rung("2", "+ cuDNN attention", "upstream", "cudnn", False, "adam", False),
     "3": Rung("3", "+ torch.compile", "upstream", "cudnn", True, "adam", False),
     "4e": Rung("4e", "our spec + fused AdamW, eager", "ours", "cudnn", False, "adam", True, main_grad_add=True,
-               one_pass_adamw=True),
+               one_pass_adamw=True, first_grad_overwrite=True),
     "4": Rung("4", "+ our GDN ops/spec + fused AdamW (compiled)", "ours", "cudnn", True, "adam", True,
-              main_grad_add=True, one_pass_adamw=True),
+              main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True),
+    "4z": Rung("4z", "rung 4 with DDP's buffers zeroed every step", "ours", "cudnn", True, "adam", True,
+               main_grad_add=True, one_pass_adamw=True),
     "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,
                one_pass_adamw=True),
     "4a": Rung("4a", "rung 4 with clip, AdamW and master copy as three passes", "ours", "cudnn", True, "adam", True,
-               main_grad_add=True),
+               main_grad_add=True, first_grad_overwrite=True),
     "5": Rung("5", "AdamW -> megatron-core Muon", "ours", "cudnn", True, "mcore_muon", True, main_grad_add=True,
-              one_pass_adamw=True),
+              one_pass_adamw=True, first_grad_overwrite=True),
     "6": Rung("6", "-> our Muon", "ours", "cudnn", True, "muon", True, main_grad_add=True, one_pass_adamw=True,
-              muon_clip_in_momentum=True, muon_model_copy=True),
+              muon_clip_in_momentum=True, muon_model_copy=True, first_grad_overwrite=True),
     "6c": Rung("6c", "rung 6 with megatron's clip multiply before our Muon", "ours", "cudnn", True, "muon", True,
-               main_grad_add=True, one_pass_adamw=True, muon_model_copy=True),
+               main_grad_add=True, one_pass_adamw=True, muon_model_copy=True, first_grad_overwrite=True),
     "6w": Rung("6w", "rung 6 with megatron's master-to-model copy after our Muon", "ours", "cudnn", True, "muon",
-               True, main_grad_add=True, one_pass_adamw=True, muon_clip_in_momentum=True),
+               True, main_grad_add=True, one_pass_adamw=True, muon_clip_in_momentum=True, first_grad_overwrite=True),
 }
 DEFAULT_RUNGS = ("1", "1r", "2", "3", "4e", "4", "5", "6")
 

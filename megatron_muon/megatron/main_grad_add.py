@@ -7,6 +7,10 @@ post-accumulate-grad hooks before the hooks on its gradient accumulator, where m
 here adds first, with a Triton kernel, and sets `grad_added_to_main_grad`: the flag megatron already honours for
 kernels that accumulate into `main_grad` themselves (Transformer Engine's wgrad fusion). Megatron's hook then skips
 its add and still drops `param.grad` and signals the bucket; `zero_grad_buffer()` clears the flag every step.
+
+`install_first_grad_overwrite` goes one step further: `zero_grad_buffer()` stops zeroing the buffers, and each
+parameter's first gradient of a step overwrites its `main_grad` (a cast copy) instead of being added to zeros.
+Parameters that got no gradient are zeroed just before their bucket group's reduction.
 """
 
 from __future__ import annotations
@@ -25,32 +29,43 @@ def _triton_add():
     import triton.language as tl
 
     @triton.jit
-    def add_kernel(dst, src, numel, BLOCK: tl.constexpr):
+    def add_kernel(dst, src, numel, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < numel
-        total = tl.load(dst + offsets, mask=inside) + tl.load(src + offsets, mask=inside).to(tl.float32)
+        total = tl.load(src + offsets, mask=inside).to(tl.float32)
+        if ACCUMULATE:
+            total += tl.load(dst + offsets, mask=inside)
         tl.store(dst + offsets, total, mask=inside)
 
     return add_kernel
 
 
-def accumulate(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
-    """main_grad += grad; one vectorized Triton pass for contiguous fp32 += bf16/fp16 on a GPU, torch elsewhere."""
+def accumulate(main_grad: torch.Tensor, grad: torch.Tensor, overwrite: bool = False) -> None:
+    """main_grad += grad (main_grad = grad with `overwrite`); one vectorized Triton pass for contiguous fp32 and
+    bf16/fp16 on a GPU, torch elsewhere."""
     fast = (
         main_grad.is_cuda and main_grad.dtype == torch.float32 and grad.dtype in _HALF_DTYPES
         and main_grad.shape == grad.shape and main_grad.is_contiguous() and grad.is_contiguous()
     )
     if not fast:
-        main_grad.add_(grad)
+        main_grad.copy_(grad) if overwrite else main_grad.add_(grad)
         return
     numel = main_grad.numel()
-    _triton_add()[(-(-numel // _BLOCK),)](main_grad, grad, numel, BLOCK=_BLOCK, num_warps=8)
+    _triton_add()[(-(-numel // _BLOCK),)](main_grad, grad, numel, BLOCK=_BLOCK, ACCUMULATE=not overwrite,
+                                          num_warps=8)
+
+
+# set by the overwriting zero_grad_buffer: main_grad still holds the last step's gradient
+_STALE = "_megatron_muon_main_grad_stale"
 
 
 def _accumulate_into_main_grad(param: torch.Tensor) -> None:
     if param.grad is None or getattr(param, "zero_out_wgrad", False):
         return  # nothing to add, or megatron's hook must overwrite: leave both to it
-    accumulate(param.main_grad, param.grad)
+    stale = getattr(param, _STALE, False)
+    if stale:
+        setattr(param, _STALE, False)
+    accumulate(param.main_grad, param.grad, overwrite=stale)
     param.grad_added_to_main_grad = True
 
 
@@ -69,3 +84,72 @@ def install_main_grad_add(ddp_model) -> int:
             setattr(param, _HOOKED, True)
             hooked += 1
     return hooked
+
+
+_OVERWRITES = "_megatron_muon_first_grad_overwrites"
+
+
+def install_first_grad_overwrite(ddp_model) -> bool:
+    """Let each step's first gradient overwrite `main_grad` so that `zero_grad_buffer()` need not zero the buffers
+    (one pass over them per step less, and a cast copy instead of an add). Needs `install_main_grad_add` on every
+    parameter first. Returns whether it is (now) installed; it declines where something else writes `main_grad`:
+    Transformer Engine's wgrad fusion or CUDA graphs, separate higher-precision main grads, MXFP8 gather buffers.
+
+    Parameters without a gradient in a step are zeroed when their bucket group starts or finishes its reduction,
+    through wrappers on those two methods. If anything replaces a wrapper later, every `zero_grad_buffer()` after
+    that zeroes the buffers as megatron does.
+    """
+    if getattr(ddp_model, _OVERWRITES, False):
+        return True
+    params = list(getattr(ddp_model, "params_with_grad", []))
+    buffers = ddp_model.buffers + ddp_model.expert_parallel_buffers
+    config, ddp_config = getattr(ddp_model, "config", None), ddp_model.ddp_config
+    if (not params or not all(getattr(p, _HOOKED, False) for p in params)
+            or any(getattr(p, "zero_out_wgrad", False) for p in params)
+            or getattr(config, "gradient_accumulation_fusion", False)
+            or getattr(config, "cuda_graph_impl", "none") != "none"
+            or getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False)
+            or any(buffer.extra_main_grads for buffer in buffers)):
+        return False
+    groups = ddp_model.bucket_groups + ddp_model.expert_parallel_bucket_groups
+    wrappers = [(group, name, _zeroing_gradless(group, getattr(group, name)))
+                for group in groups for name in ("start_grad_sync", "finish_grad_sync")]
+    for group, name, wrapper in wrappers:
+        setattr(group, name, wrapper)
+    zero_as_megatron = ddp_model.zero_grad_buffer
+
+    def zero_grad_buffer():
+        if any(getattr(group, name) is not wrapper for group, name, wrapper in wrappers):
+            for param in params:
+                setattr(param, _STALE, False)
+            return zero_as_megatron()
+        for buffer in buffers:
+            buffer.reset = _keep_grad_data  # megatron's reset zeroes grad_data
+        try:
+            zero_as_megatron()
+        finally:
+            for buffer in buffers:
+                del buffer.reset
+        for param in params:
+            setattr(param, _STALE, True)
+
+    ddp_model.zero_grad_buffer = zero_grad_buffer
+    setattr(ddp_model, _OVERWRITES, True)
+    return True
+
+
+def _keep_grad_data() -> None:
+    """The buffer reset while first gradients overwrite: grad_data keeps last step's values until then."""
+
+
+def _zeroing_gradless(group, inner):
+    """`inner` (a bucket group's start/finish_grad_sync) after zeroing the group's gradless parameters."""
+
+    def run(*args, **kwargs):
+        for param in group.params:
+            if getattr(param, _STALE, False):
+                setattr(param, _STALE, False)
+                param.main_grad.zero_()
+        return inner(*args, **kwargs)
+
+    return run

@@ -245,17 +245,12 @@ class Muon(torch.optim.Optimizer):
         return self._plan_cache[1]
 
     def _check_grads_finite(self, params: list[torch.Tensor], grads: list[torch.Tensor], group_of: list[int]):
-        if not grads:
-            return
-        max_abs = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))])
-        finite = torch.isfinite(max_abs)
-        if bool(finite.all()):
-            return
-        bad = int((~finite).nonzero()[0])
-        raise ValueError(
-            f"non-finite gradient (NaN or Inf) in {self._name(group_of[bad], params[bad])}; no optimizer state was "
-            "changed. Skip this step (or lower the learning rate / enable loss scaling) and zero the gradients."
-        )
+        bad = muon_math.first_non_finite(grads)
+        if bad is not None:
+            raise ValueError(
+                f"non-finite gradient (NaN or Inf) in {self._name(group_of[bad], params[bad])}; no optimizer state "
+                "was changed. Skip this step (or lower the learning rate / enable loss scaling) and zero the gradients."
+            )
 
     def _orthogonalize_bucket(
         self, bucket: _Bucket, stacked: torch.Tensor, narrow_result: bool = False

@@ -226,3 +226,11 @@ def orthogonalize_fused(matrix: torch.Tensor, sections: Sequence[int], **orthogo
     """Reference for the fused path: split, orthogonalize each part on its own, reassemble."""
     parts = [orthogonal_update(p, **orthogonal_update_kwargs) for p in split_fused(matrix, sections)]
     return merge_fused(parts, sections)
+
+
+def first_non_finite(tensors: list[torch.Tensor]) -> int | None:
+    """Index of the first tensor holding a NaN or Inf (one host sync for all of them), or None."""
+    if not tensors:
+        return None
+    finite = torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(tensors, float("inf"))]))
+    return None if bool(finite.all()) else int((~finite).nonzero()[0])

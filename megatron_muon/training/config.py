@@ -93,6 +93,7 @@ class OptimizerSection:
     one_pass_adamw: bool = True  # AdamW's clip factor, update and bf16 model copy in one pass where Triton runs
     muon_clip_in_momentum: bool = True  # megatron's clip applied inside our Muon's fused momentum pass
     muon_model_copy: bool = True  # the bf16 model copies written by our Muon's fused update pass
+    first_grad_overwrite: bool = True  # each step's first gradient overwrites DDP's buffers instead of zeroing them
 
 
 @dataclass

@@ -225,9 +225,10 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
     model = wrap_model(module, config, recipe)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     fast_paths = install_fast_paths(  # wrap_model already hooked the gradient add
-        optimizer, one_pass_adamw=recipe.optimizer.one_pass_adamw,
+        optimizer, [model], one_pass_adamw=recipe.optimizer.one_pass_adamw,
         muon_clip_in_momentum=recipe.optimizer.muon_clip_in_momentum,
-        muon_model_copy=recipe.optimizer.muon_model_copy, main_grad_add=False)
+        muon_model_copy=recipe.optimizer.muon_model_copy, main_grad_add=False,
+        first_grad_overwrite=recipe.optimizer.first_grad_overwrite)
     scheduler = lr_scheduler(recipe, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -251,7 +252,7 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
             "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
             "optimizer_classes": optimizer_classes(optimizer),
             **{key: fast_paths[key] for key in ("fused_adam_groups", "one_pass_adamw", "muon_clip_in_momentum",
-                                                "muon_model_copy")},
+                                                "muon_model_copy", "first_grad_overwrite_chunks")},
         })
     return _Run(model, optimizer, scheduler, batches, mfu_of, tokens_per_step, start_step, output_dir, log)
 

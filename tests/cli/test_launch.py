@@ -49,7 +49,8 @@ def test_optimizer_muon_through_megatron_lm_runs_ours_on_the_gdn_hybrid_spec(tmp
     assert len(losses) == 8 * 2 and sum(losses[-4:]) < sum(losses[:4])  # 2 micro-batches per step
     # the fast paths were offered to what megatron built; on CPU none of them applies
     assert report["fast_paths"] == {"fused_adam_groups": 0, "one_pass_adamw": 0, "muon_clip_in_momentum": 0,
-                                    "muon_model_copy": 0, "main_grad_add_params": 0}, report
+                                    "muon_model_copy": 0, "main_grad_add_params": 0,
+                                    "first_grad_overwrite_chunks": 0}, report
 
 
 def test_the_fast_paths_train_through_megatron_lm_as_megatrons_own_passes(tmp_path):

@@ -7,7 +7,10 @@ import torch
 from megatron_muon.megatron import main_grad_add
 
 
-def _main_grads(rank, world_size, hooked: bool, overlap: bool):
+def _main_grads(rank, world_size, hooked: bool, overlap: bool, overwrite: bool = False, gradless: str | None = None,
+                replace_wrapper: bool = False):
+    """main_grads after each of 3 steps of 4 micro-batches; `gradless` gets no gradient in the second step.
+    `replace_wrapper`: after the first step, something replaces a bucket group's finish_grad_sync wrapper."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
@@ -27,28 +30,94 @@ def _main_grads(rank, world_size, hooked: bool, overlap: bool):
         assert count == len(list(model.parameters())) > 0
         assert main_grad_add.install_main_grad_add(model) == 0  # idempotent: a second hook would add twice
         original = main_grad_add.accumulate
-        main_grad_add.accumulate = lambda main_grad, grad: (calls.append(grad.shape), original(main_grad, grad))
+        main_grad_add.accumulate = lambda main_grad, grad, overwrite=False: (
+            calls.append(grad.shape), original(main_grad, grad, overwrite))
+    if overwrite:
+        assert main_grad_add.install_first_grad_overwrite(model)
+        assert main_grad_add.install_first_grad_overwrite(model)  # idempotent
+    named = dict(model.named_parameters())
+    if gradless is not None:
+        (gradless,) = [name for name in named if name.endswith(gradless)]
     try:
-        grads = []
-        for step in range(2):  # zero_grad_buffer must clear the flag: the second step adds again
+        grads, zeroed = [], []
+        for step in range(3):  # zero_grad_buffer must clear the flag: later steps add again
+            if replace_wrapper and step == 1:
+                group = model.bucket_groups[0]
+                group.finish_grad_sync = type(group).finish_grad_sync.__get__(group)
             model.zero_grad_buffer()
+            zeroed.append(all(p.main_grad.abs().sum() == 0 for p in named.values()))
+            if gradless is not None:
+                named[gradless].requires_grad_(step != 1)
             forward_backward(model, [synthetic_batch(4 * step + i) for i in range(4)])
-            grads.append({name: p.main_grad.clone() for name, p in model.named_parameters()})
+            grads.append({name: p.main_grad.clone() for name, p in named.items()})
+        if gradless is not None:
+            named[gradless].requires_grad_(True)
     finally:
         if hooked:
             main_grad_add.accumulate = original
-    return {"grads": grads, "calls": len(calls), "params": len(list(model.parameters()))}
+    return {"grads": grads, "calls": len(calls), "params": len(named), "zeroed": zeroed}
 
 
 def test_hook_accumulates_each_micro_batch_once(rank_pool_1):
     for overlap in (False, True):
         reference = rank_pool_1.run(_main_grads, False, overlap)[0]
         hooked = rank_pool_1.run(_main_grads, True, overlap)[0]
-        assert hooked["calls"] == 2 * 4 * hooked["params"]  # 2 steps x 4 micro-batches x every parameter
+        assert hooked["calls"] == 3 * 4 * hooked["params"]  # 3 steps x 4 micro-batches x every parameter
         for got, expected in zip(hooked["grads"], reference["grads"], strict=True):
             for name, value in expected.items():
                 assert value.abs().sum() > 0, name
                 torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+GRADLESS = "final_layernorm.weight"  # a name suffix
+
+
+def test_first_gradient_overwrites_main_grad_without_zeroed_buffers(rank_pool_1):
+    """Buffers left unzeroed between steps still end every step equal to megatron's, bit for bit, with and without
+    overlapped reduction; a parameter without a gradient in the second step ends it at zero, not at its
+    gradient of the first step."""
+    for overlap in (False, True):
+        gradless = None if overlap else GRADLESS  # overlap waits for every parameter's gradient before reducing
+        reference = rank_pool_1.run(_main_grads, False, overlap, False, gradless)[0]
+        fast = rank_pool_1.run(_main_grads, True, overlap, True, gradless)[0]
+        assert reference["zeroed"] == [True] * 3 and fast["zeroed"] == [True, False, False]  # buffers kept
+        for step, (got, expected) in enumerate(zip(fast["grads"], reference["grads"], strict=True)):
+            for name, value in expected.items():
+                if gradless is not None and name.endswith(gradless) and step == 1:
+                    assert value.abs().sum() == 0
+                else:
+                    assert value.abs().sum() > 0, name
+                torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=f"{name} step {step}")
+
+
+def test_first_gradient_overwrite_falls_back_when_its_wrapper_is_replaced(rank_pool_1):
+    """Something that replaces the group's sync wrapper after install would skip the zeroing of gradless
+    parameters: zero_grad_buffer then zeroes as megatron does, and the results stay megatron's."""
+    reference = rank_pool_1.run(_main_grads, False, False, False, GRADLESS)[0]
+    fast = rank_pool_1.run(_main_grads, True, False, True, GRADLESS, True)[0]
+    assert fast["zeroed"] == [True, True, True]
+    for got, expected in zip(fast["grads"], reference["grads"], strict=True):
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_first_gradient_overwrite_declines_without_the_add_hooks(rank_pool_1):
+    assert rank_pool_1.run(_declines_without_hooks)[0]
+
+
+def _declines_without_hooks(rank, world_size):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_muon.testing.models import build_tiny_gpt, tiny_transformer_config
+    from megatron_muon.testing.parallel import init_model_parallel
+
+    init_model_parallel(1, 1)
+    config = tiny_transformer_config()
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), build_tiny_gpt(config))
+    declined = not main_grad_add.install_first_grad_overwrite(model)
+    config.gradient_accumulation_fusion = True
+    main_grad_add.install_main_grad_add(model)
+    return declined and not main_grad_add.install_first_grad_overwrite(model)
 
 
 def test_accumulate_falls_back_to_torch_off_the_gpu_and_for_other_dtypes():
@@ -56,6 +125,8 @@ def test_accumulate_falls_back_to_torch_off_the_gpu_and_for_other_dtypes():
     main_grad_add.accumulate(main, torch.ones(5, dtype=torch.bfloat16))
     main_grad_add.accumulate(main, torch.full((5,), 2.0))
     assert torch.equal(main, torch.full((5,), 3.0))
+    main_grad_add.accumulate(main, torch.ones(5, dtype=torch.bfloat16), overwrite=True)
+    assert torch.equal(main, torch.ones(5))
 
 
 @pytest.mark.gpu
@@ -68,3 +139,28 @@ def test_triton_accumulate_equals_torch_add_on_the_gpu():
         expected = main + grad.float()
         main_grad_add.accumulate(main, grad)
         assert torch.equal(main, expected)
+        main_grad_add.accumulate(main, grad, overwrite=True)
+        assert torch.equal(main, grad.float())
+
+
+def _train_on_gpu(overwrite: bool):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_muon.megatron.fast_paths import install_fast_paths
+    from megatron_muon.testing.training import build_training_setup, train_step
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    model, optimizer = build_training_setup("adam", bf16=True, lr=1e-2, clip_grad=0.05)
+    installed = install_fast_paths(optimizer, [model], first_grad_overwrite=overwrite)
+    losses = [train_step(model, optimizer, step) for step in range(3)]
+    return installed["first_grad_overwrite_chunks"], losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_first_gradient_overwrite_trains_bit_for_bit_as_zeroed_buffers(single_gpu_model_parallel):
+    reference, ours = _train_on_gpu(False), _train_on_gpu(True)
+    assert reference[0] == 0 and ours[0] == 1
+    assert ours[1] == reference[1]
+    assert all(torch.equal(a, b) for a, b in zip(ours[2], reference[2]))
