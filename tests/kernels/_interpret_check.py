@@ -42,13 +42,16 @@ def main():
     for method in ("standard", "gram"):
         fast = orthogonalize(G, method=method, backend="triton")
         torch.testing.assert_close(fast, orthogonalize(G, method=method, backend="torch"), rtol=0, atol=2e-2)
-    # megatron's main_grad accumulation: fp32 += bf16/fp16 over a partial last block, bit-equal to torch's add
+    # megatron's main_grad accumulation: fp32 += bf16/fp16 (or = for a step's first gradient) over a partial last
+    # block, bit-equal to torch's add and cast
     add = _triton_add()
     for numel, dtype in [(5000, torch.bfloat16), (4096, torch.float16)]:
         main, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g).to(dtype)
         expected = main + grad.float()
-        add[(-(-numel // 4096),)](main, grad, numel, BLOCK=4096)
+        add[(-(-numel // 4096),)](main, grad, numel, BLOCK=4096, ACCUMULATE=True)
         assert torch.equal(main, expected)
+        add[(-(-numel // 4096),)](main, grad, numel, BLOCK=4096, ACCUMULATE=False)  # a step's first gradient
+        assert torch.equal(main, grad.float())
     # gradient clipping's scale: views of two buffers (gaps between views untouched), bit-equal to torch's multiply
     for factor in (0.37, 1.0, float("nan")):
         buffers = [torch.randn(3 * BLOCK + 100, generator=g), torch.randn(700, generator=g)]
