@@ -8,7 +8,7 @@ from megatron_muon.megatron import main_grad_add
 
 
 def _main_grads(rank, world_size, hooked: bool, overlap: bool, overwrite: bool = False, gradless: str | None = None,
-                replace_wrapper: bool = False):
+                replace_wrapper: bool = False, distributed: bool = False):
     """main_grads after each of 3 steps of 4 micro-batches; `gradless` gets no gradient in the second step.
     `replace_wrapper`: after the first step, something replaces a bucket group's finish_grad_sync wrapper."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -21,7 +21,8 @@ def _main_grads(rank, world_size, hooked: bool, overlap: bool, overwrite: bool =
     torch.manual_seed(0)
     config = tiny_transformer_config(bf16=True)
     module = Float16Module(config, build_tiny_gpt(config))
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+                                               use_distributed_optimizer=distributed)
     model = DistributedDataParallel(config, ddp_config, module)
     config.finalize_model_grads_func = finalize_model_grads
     calls = []
@@ -48,7 +49,7 @@ def _main_grads(rank, world_size, hooked: bool, overlap: bool, overwrite: bool =
             zeroed.append(all(p.main_grad.abs().sum() == 0 for p in named.values()))
             if gradless is not None:
                 named[gradless].requires_grad_(step != 1)
-            forward_backward(model, [synthetic_batch(4 * step + i) for i in range(4)])
+            forward_backward(model, [synthetic_batch(8 * step + 4 * rank + i) for i in range(4)])
             grads.append({name: p.main_grad.clone() for name, p in named.items()})
         if gradless is not None:
             named[gradless].requires_grad_(True)
@@ -88,6 +89,19 @@ def test_first_gradient_overwrites_main_grad_without_zeroed_buffers(rank_pool_1)
                 else:
                     assert value.abs().sum() > 0, name
                 torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=f"{name} step {step}")
+
+
+def test_first_gradient_overwrite_equals_zeroed_buffers_across_two_ranks(rank_pool_2):
+    """dp=2, all-reduced and reduce-scattered (megatron's distributed optimizer): every rank's buffers, reduced
+    shard and the rest, equal megatron's after each step."""
+    for distributed in (False, True):
+        reference = rank_pool_2.run(_main_grads, False, False, False, GRADLESS, False, distributed)
+        fast = rank_pool_2.run(_main_grads, True, False, True, GRADLESS, False, distributed)
+        for rank_fast, rank_reference in zip(fast, reference, strict=True):
+            assert rank_fast["zeroed"] == [True, False, False]
+            for got, expected in zip(rank_fast["grads"], rank_reference["grads"], strict=True):
+                for name, value in expected.items():
+                    torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=f"{name} {distributed}")
 
 
 def test_first_gradient_overwrite_falls_back_when_its_wrapper_is_replaced(rank_pool_1):
