@@ -178,3 +178,28 @@ def test_on_the_gpu_first_gradient_overwrite_trains_bit_for_bit_as_zeroed_buffer
     assert reference[0] == 0 and ours[0] == 1
     assert ours[1] == reference[1]
     assert all(torch.equal(a, b) for a, b in zip(ours[2], reference[2]))
+
+
+def _dist_muon_run(rank, world_size, overwrite: bool):
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.testing.training import build_muon_setup, full_parameters, train_step
+
+    init_model_parallel(1, 1)
+    torch.manual_seed(0)
+    model, optimizer = build_muon_setup("dist_muon", "bf16", "gpt")
+    if overwrite:  # after the optimizer build, as install_fast_paths does: the owner sync is already in place
+        main_grad_add.install_main_grad_add(model)
+        assert main_grad_add.install_first_grad_overwrite(model)
+    losses = [train_step(model, optimizer, step) for step in range(3)]
+    return losses, full_parameters(model)
+
+
+def test_first_gradient_overwrite_under_dist_muons_owner_gradient_sync(rank_pool_2):
+    """dp=2 dist_muon: Muon gradients reduce-scattered to their owners through the sync that replaces megatron's;
+    three bf16 steps with unzeroed buffers train bit for bit as with zeroed ones."""
+    reference = rank_pool_2.run(_dist_muon_run, False)
+    fast = rank_pool_2.run(_dist_muon_run, True)
+    for (losses, params), (reference_losses, reference_params) in zip(fast, reference, strict=True):
+        assert losses == reference_losses
+        for name, value in reference_params.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
