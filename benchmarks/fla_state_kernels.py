@@ -1,6 +1,9 @@
 """FLA's chunk-state kernels for the GDN layer at the hybrid-1.5B shape (16k tokens, 6 heads, key 256, value 512):
 the backward state-gradient kernel (`chunk_gated_delta_rule_bwd_dhu`) and the forward state kernel, timed with FLA's
 own autotuned config and then with each (value block, warps) pair pinned; outputs compared with FLA's default.
+Each row also gives the rate at which the kernel streams the chunks' key-side tiles (q, k, w backward; k, w forward)
+from L2: every (head, value block) program reads all of them for every chunk, so the traffic grows as the value
+block shrinks.
 
     python benchmarks/fla_state_kernels.py   # a GPU with FLA; prints the lines of results/fla_state_kernels.md
 """
@@ -12,6 +15,13 @@ import torch.nn.functional as F
 
 B, T, H, K, V = 1, 16384, 6, 256, 512
 KEY = ["H", "HV", "K", "V", "BT", "STATE_V_FIRST"]
+CHUNK = 64
+
+
+def tile_traffic_tb_per_s(block_v: int, tiles: int, ms: float) -> float:
+    """TB/s of key-side tiles ([CHUNK, K] bf16, `tiles` per chunk) read by the H·V/block_v programs of a call."""
+    programs, chunks = H * V // block_v, T // CHUNK
+    return programs * chunks * tiles * CHUNK * K * 2 / (ms * 1e-3) / 1e12
 
 
 def rewrap(heuristics, configs):
@@ -61,8 +71,9 @@ def main() -> None:
                 err_b, err_f = largest_difference(bwd(), ref_b), largest_difference(fwd(), ref_f)
                 tb, tf = do_bench(bwd, rep=200), do_bench(fwd, rep=200)
                 stages = m.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64.fn.best_config.num_stages
-                print(f"BV={bv} warps={warps}: bwd {tb:.3f} ms ({stages} st) err {err_b:.3g} | fwd {tf:.3f} ms "
-                      f"err {err_f:.3g}", flush=True)
+                print(f"BV={bv} warps={warps}: bwd {tb:.3f} ms ({stages} st, q/k/w "
+                      f"{tile_traffic_tb_per_s(bv, 3, tb):.1f} TB/s) err {err_b:.3g} | fwd {tf:.3f} ms "
+                      f"(k/w {tile_traffic_tb_per_s(bv, 2, tf):.1f} TB/s) err {err_f:.3g}", flush=True)
             except Exception as error:  # a config the compiler rejects is a row, not the end of the table
                 print(f"BV={bv} warps={warps}: failed {type(error).__name__}: {str(error)[:200]}", flush=True)
             finally:
