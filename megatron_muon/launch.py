@@ -6,9 +6,8 @@
 Registration puts our optimizers under megatron-core's names (`--optimizer muon` / `dist_muon` then run ours) and
 makes our specs importable for `--spec megatron_muon.specs <name>`; the script then runs as `__main__` via runpy,
 exactly as `python pretrain_gpt.py ...` would, so no Megatron-LM fork or patch is needed. Every optimizer the
-script builds through `get_megatron_optimizer` gets the plugin's GPU fast paths (`megatron/fast_paths.py`: fused
-and one-pass AdamW, the clip inside our Muon's momentum pass, the vectorized gradient add) unless
-`--no-fast-paths` comes before the script.
+script builds through `get_megatron_optimizer` gets the plugin's GPU fast paths (`megatron/fast_paths.py`, which
+lists them) unless `--no-fast-paths` comes before the script.
 """
 
 from __future__ import annotations

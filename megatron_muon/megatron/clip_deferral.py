@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from megatron_muon.megatron.muon_wrappers import fused_muon_wrappers
+
 _OWNER = "_megatron_muon_clip_owner"  # on each claimed parameter: a weakref to its owner
 _CLIP_MODULES = ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer")
 _original_clip = None
@@ -99,18 +101,10 @@ def install_for_muon(optimizer) -> int:
     """Defer the clip to every Muon (ours) inside megatron's mixed-precision wrappers whose momentum pass is fused
     on the parameters' device (elsewhere the deferred factor would be a separate multiply again); returns how many
     were newly deferred (a second call defers none)."""
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-
-    from megatron_muon.optimizer import Muon
-    from megatron_muon.optimizer.fused_elementwise import use_fused
-
     installed = 0
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        muon = getattr(part, "optimizer", None)
-        params = [p for group in getattr(muon, "param_groups", []) for p in group["params"]]
-        if (type(part) is Float16OptimizerWithFloat16Params and isinstance(muon, Muon) and params
-                and getattr(part, "clip_owner", None) is None and use_fused(muon.fused_elementwise, params[0].device)):
-            claim(part, _MuonFactor(muon))
+    for wrapper, muon in fused_muon_wrappers(optimizer):
+        if getattr(wrapper, "clip_owner", None) is None:
+            claim(wrapper, _MuonFactor(muon))
             installed += 1
     if installed:
         install()

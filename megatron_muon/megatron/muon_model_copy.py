@@ -10,30 +10,20 @@ for that step. Where the pass is not fused, Muon copies after its update, as the
 from __future__ import annotations
 
 from megatron_muon.megatron.master_adamw import model_copies_of
+from megatron_muon.megatron.muon_wrappers import fused_muon_wrappers
 
 
 def install_muon_model_copy(optimizer) -> int:
     """Let every Muon (ours) inside megatron's mixed-precision wrappers whose update pass is fused on the
     parameters' device write its model copies; returns how many wrappers were newly given this (a second call
     gives none)."""
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-
-    from megatron_muon.optimizer import Muon
-    from megatron_muon.optimizer.fused_elementwise import use_fused
-
     installed = 0
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        muon = getattr(part, "optimizer", None)
-        if type(part) is not Float16OptimizerWithFloat16Params or not isinstance(muon, Muon):
+    for wrapper, muon in fused_muon_wrappers(optimizer):  # unfused, Muon would copy after its update: no gain
+        if getattr(wrapper, "muon_writes_model_copies", False) or wrapper.is_stub_optimizer:
             continue
-        params = [p for group in muon.param_groups for p in group["params"]]
-        if getattr(part, "muon_writes_model_copies", False) or part.is_stub_optimizer or not params:
-            continue
-        if not use_fused(muon.fused_elementwise, params[0].device):
-            continue  # unfused, Muon would copy after its update: the same passes as megatron's copy
-        if getattr(part.config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        if getattr(wrapper.config, "reuse_grad_buf_for_mxfp8_param_ag", False):
             continue  # megatron stages the masters into its param buffer instead of the model copies
-        _attach(part, muon)
+        _attach(wrapper, muon)
         installed += 1
     return installed
 
