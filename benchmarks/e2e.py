@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_env import package_versions  # noqa: E402
 from e2e_report import write_profile, write_report  # noqa: E402
 from e2e_rungs import Rung, build_upstream_model, parse_rungs  # noqa: E402
+
+from megatron_muon.ops.dhu_triton import ENV_VAR as DHU_ENV_VAR  # noqa: E402
 
 
 def _sync() -> None:
@@ -138,6 +141,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     on_gpu = ctx.device.type == "cuda"
     start = time.perf_counter()
     model = optimizer = None
+    os.environ[DHU_ENV_VAR] = rung.gdn_dhu  # read by the GDN backward op at every call
     try:
         model, optimizer, _ = build_rung(recipe, rung, on_gpu)
         train = recipe.training

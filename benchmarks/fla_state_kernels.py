@@ -1,6 +1,8 @@
 """FLA's chunk-state kernels for the GDN layer at the hybrid-1.5B shape (16k tokens, 6 heads, key 256, value 512):
 the backward state-gradient kernel (`chunk_gated_delta_rule_bwd_dhu`) and the forward state kernel, timed with FLA's
 own autotuned config and then with each (value block, warps) pair pinned; outputs compared with FLA's default.
+Then our backward state kernel (`megatron_muon.ops.dhu_triton`: TMA-streamed, software-pipelined tiles) for each of
+its tiles, against FLA's default in the same run.
 Each row also gives the rate at which the kernel streams the chunks' key-side tiles (q, k, w backward; k, w forward)
 from L2: every (head, value block) program reads all of them for every chunk, so the traffic grows as the value
 block shrinks.
@@ -10,8 +12,13 @@ block shrinks.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_muon from this checkout
 
 B, T, H, K, V = 1, 16384, 6, 256, 512
 KEY = ["H", "HV", "K", "V", "BT", "STATE_V_FIRST"]
@@ -79,6 +86,28 @@ def main() -> None:
             finally:
                 m.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 = original_b
                 m.chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = original_f
+    ours_lines(q, k, w, g, do, dv, t_b, ref_b)
+
+
+def ours_lines(q, k, w, g, do, dv, fla_ms: float, fla_outputs) -> None:
+    """Our TMA backward state kernel per tile: time, its ratio to FLA's default, largest difference from FLA's."""
+    from triton.testing import do_bench
+
+    from megatron_muon.ops import dhu_triton
+
+    for config in dhu_triton._CONFIGS:
+        block_v, warps, stages = config
+        label = f"ours BV={block_v} warps={warps} stages={stages}"
+        try:
+            run = lambda: dhu_triton.chunk_dhu(q, k, w, g, do, dv, K**-0.5, config=config)  # noqa: E731
+            outputs = run()
+            err = max((a.float() - b.float()).abs().max().item()
+                      for a, b in zip(outputs, fla_outputs) if a is not None and b is not None)
+            ms = do_bench(run, rep=300)
+            print(f"{label}: bwd {ms:.3f} ms = {ms / fla_ms:.3f}x FLA's default (q/k/w "
+                  f"{tile_traffic_tb_per_s(block_v, 3, ms):.1f} TB/s) err {err:.3g}", flush=True)
+        except Exception as error:  # a tile the compiler rejects is a row, not the end of the table
+            print(f"{label}: failed {type(error).__name__}: {str(error)[:200]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import functools
 
 import torch
 
+from megatron_muon.ops import dhu_triton
+
 CHUNK_SIZE = 64
 # Recurrent state stored [V, K] inside the kernels (FLA's own layers run this way, so both share kernels and autotune
 # entries); our API keeps [N, HV, K, V] and transposes the few [N, HV, ., .] boundary states.
@@ -114,10 +116,14 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
                 state_v_first=STATE_V_FIRST, **common,
             )
         dv = chunk_bwd_dv_local(q=q, k=k, g=g_cumsum, do=do, scale=scale, chunk_size=CHUNK_SIZE, **common)
-        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
-            q=q, k=k, w=w, g=g_cumsum, h0=h0, dht=dht, do=do, dv=dv, scale=scale, state_v_first=STATE_V_FIRST,
-            chunk_size=CHUNK_SIZE, **common,
-        )
+        if dhu_triton.enabled() and STATE_V_FIRST and dhu_triton.qualifies(q, k, w, do, dv, g_cumsum, cu_seqlens,
+                                                                           CHUNK_SIZE):
+            dh, dh0, dv = dhu_triton.chunk_dhu(q, k, w, g_cumsum, do, dv, scale, dht=dht, want_dh0=h0 is not None)
+        else:
+            dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
+                q=q, k=k, w=w, g=g_cumsum, h0=h0, dht=dht, do=do, dv=dv, scale=scale, state_v_first=STATE_V_FIRST,
+                chunk_size=CHUNK_SIZE, **common,
+            )
         dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh, scale=scale,
                                          state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
         dk2, dv, dbeta, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g_cumsum, A=a_inverse, dw=dw, du=dv,
