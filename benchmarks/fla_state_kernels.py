@@ -1,8 +1,8 @@
 """FLA's chunk-state kernels for the GDN layer at the hybrid-1.5B shape (16k tokens, 6 heads, key 256, value 512):
 the backward state-gradient kernel (`chunk_gated_delta_rule_bwd_dhu`) and the forward state kernel, timed with FLA's
 own autotuned config and then with each (value block, warps) pair pinned; outputs compared with FLA's default.
-Then our backward state kernel (`megatron_muon.ops.dhu_triton`: TMA-streamed, software-pipelined tiles) for each of
-its tiles, against FLA's default in the same run.
+Then our two state kernels (`megatron_muon.ops.state_tma`: TMA-streamed, software-pipelined tiles) for each of
+their tiles, against FLA's defaults in the same run.
 Each row also gives the rate at which the kernel streams the chunks' key-side tiles (q, k, w backward; k, w forward)
 from L2: every (head, value block) program reads all of them for every chunk, so the traffic grows as the value
 block shrinks.
@@ -86,28 +86,34 @@ def main() -> None:
             finally:
                 m.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 = original_b
                 m.chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = original_f
-    ours_lines(q, k, w, g, do, dv, t_b, ref_b)
+    ours_lines(q, k, w, u, g, do, dv, (t_b, t_f), (ref_b, ref_f))
 
 
-def ours_lines(q, k, w, g, do, dv, fla_ms: float, fla_outputs) -> None:
-    """Our TMA backward state kernel per tile: time, its ratio to FLA's default, largest difference from FLA's."""
+def ours_lines(q, k, w, u, g, do, dv, fla_ms, fla_outputs) -> None:
+    """Our TMA state kernels per tile: time, ratio to FLA's default, largest difference from FLA's outputs."""
     from triton.testing import do_bench
 
-    from megatron_muon.ops import dhu_triton
+    from megatron_muon.ops import state_tma
 
-    for config in dhu_triton._CONFIGS:
+    for config in state_tma.CONFIGS:
         block_v, warps, stages = config
-        label = f"ours BV={block_v} warps={warps} stages={stages}"
-        try:
-            run = lambda: dhu_triton.chunk_dhu(q, k, w, g, do, dv, K**-0.5, config=config)  # noqa: E731
-            outputs = run()
-            err = max((a.float() - b.float()).abs().max().item()
-                      for a, b in zip(outputs, fla_outputs) if a is not None and b is not None)
-            ms = do_bench(run, rep=300)
-            print(f"{label}: bwd {ms:.3f} ms = {ms / fla_ms:.3f}x FLA's default (q/k/w "
-                  f"{tile_traffic_tb_per_s(block_v, 3, ms):.1f} TB/s) err {err:.3g}", flush=True)
-        except Exception as error:  # a tile the compiler rejects is a row, not the end of the table
-            print(f"{label}: failed {type(error).__name__}: {str(error)[:200]}", flush=True)
+        runs = {
+            "bwd": (lambda: state_tma.chunk_dhu(q, k, w, g, do, dv, K**-0.5, config=config), 3, fla_ms[0],
+                    fla_outputs[0]),
+            "fwd": (lambda: state_tma.chunk_fwd_h(k, w, u, g, config=config), 2, fla_ms[1], fla_outputs[1]),
+        }
+        parts = []
+        for name, (run, tiles, reference_ms, reference) in runs.items():
+            try:
+                outputs = run()
+                err = max((a.float() - b.float()).abs().max().item()
+                          for a, b in zip(outputs, reference) if a is not None and b is not None)
+                ms = do_bench(run, rep=300)
+                parts.append(f"{name} {ms:.3f} ms = {ms / reference_ms:.3f}x FLA's default "
+                             f"({tile_traffic_tb_per_s(block_v, tiles, ms):.1f} TB/s) err {err:.3g}")
+            except Exception as error:  # a tile the compiler rejects is a row, not the end of the table
+                parts.append(f"{name} failed {type(error).__name__}: {str(error)[:160]}")
+        print(f"ours BV={block_v} warps={warps} stages={stages}: " + " | ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

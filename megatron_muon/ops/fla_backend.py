@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from megatron_muon.ops import dhu_triton
+from megatron_muon.ops import state_tma
 
 CHUNK_SIZE = 64
 # Recurrent state stored [V, K] inside the kernels (FLA's own layers run this way, so both share kernels and autotune
@@ -50,7 +50,6 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     only) w, the per-chunk states h and the corrected values v_new are returned so the backward does not
     recompute them; otherwise those three are empty and the backward recomputes them as FLA does.
     """
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
@@ -63,11 +62,8 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
                                       chunk_indices=chunk_indices)
         w, u, a_inverse = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cumsum, beta=beta, cu_seqlens=cu_seqlens,
                                                            chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices)
-        h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
-            k=k, w=w, u=u, g=g_cumsum, initial_state=_state_layout(initial_state),
-            output_final_state=output_final_state, chunk_size=CHUNK_SIZE, state_v_first=STATE_V_FIRST,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-        )
+        h, v_new, final_state = _forward_states(k, w, u, g_cumsum, _state_layout(initial_state), output_final_state,
+                                                cu_seqlens, chunk_indices)
         o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cumsum, scale=scale, state_v_first=STATE_V_FIRST,
                         cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices)
     final_state = _state_layout(final_state)
@@ -76,6 +72,24 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     if not (keep_states and cu_seqlens is None):
         w, h, v_new = (q.new_empty(0) for _ in range(3))
     return o.to(v.dtype), final_state.float(), g_cumsum.float(), a_inverse.to(k.dtype), w, h, v_new
+
+
+def _on_state_tma(key_side, value_side, g_cumsum, cu_seqlens) -> bool:
+    """Whether the chunk-state recurrences run on our TMA kernels (`ops/state_tma.py`, opt-in) for these inputs."""
+    return STATE_V_FIRST and state_tma.enabled() and state_tma.qualifies(key_side, value_side, g_cumsum, cu_seqlens,
+                                                                          CHUNK_SIZE)
+
+
+def _forward_states(k, w, u, g_cumsum, initial_state, output_final_state, cu_seqlens, chunk_indices):
+    """(per-chunk states h, v_new, final state) from FLA's forward state kernel or, where enabled, ours."""
+    if _on_state_tma([k, w], [u], g_cumsum, cu_seqlens):
+        return state_tma.chunk_fwd_h(k, w, u, g_cumsum, initial_state, output_final_state)
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    return chunk_gated_delta_rule_fwd_h(
+        k=k, w=w, u=u, g=g_cumsum, initial_state=initial_state, output_final_state=output_final_state,
+        chunk_size=CHUNK_SIZE, state_v_first=STATE_V_FIRST, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+    )
 
 
 @functools.cache
@@ -98,7 +112,7 @@ def _extend_dhu_autotune() -> None:
 
 def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, initial_state, cu_seqlens, do, dht):
     """FLA's ``chunk_gated_delta_rule_bwd`` without its recomputation when the forward kept w, h and v_new."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
     from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum
@@ -111,14 +125,10 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
     with torch.cuda.device(q.device):
         if h.numel() == 0:
             w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a_inverse, g=g_cumsum, **common)
-            h, v_new, _ = chunk_gated_delta_rule_fwd_h(
-                k=k, w=w, u=u, g=g_cumsum, initial_state=h0, output_final_state=False, chunk_size=CHUNK_SIZE,
-                state_v_first=STATE_V_FIRST, **common,
-            )
+            h, v_new, _ = _forward_states(k, w, u, g_cumsum, h0, False, cu_seqlens, chunk_indices)
         dv = chunk_bwd_dv_local(q=q, k=k, g=g_cumsum, do=do, scale=scale, chunk_size=CHUNK_SIZE, **common)
-        if dhu_triton.enabled() and STATE_V_FIRST and dhu_triton.qualifies(q, k, w, do, dv, g_cumsum, cu_seqlens,
-                                                                           CHUNK_SIZE):
-            dh, dh0, dv = dhu_triton.chunk_dhu(q, k, w, g_cumsum, do, dv, scale, dht=dht, want_dh0=h0 is not None)
+        if _on_state_tma([q, k, w], [do, dv], g_cumsum, cu_seqlens):
+            dh, dh0, dv = state_tma.chunk_dhu(q, k, w, g_cumsum, do, dv, scale, dht=dht, want_dh0=h0 is not None)
         else:
             dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
                 q=q, k=k, w=w, g=g_cumsum, h0=h0, dht=dht, do=do, dv=dv, scale=scale, state_v_first=STATE_V_FIRST,

@@ -89,3 +89,46 @@ def gated_rms_norm_reference(
     x = x.float()
     normed = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
     return normed * weight.float() * F.silu(gate.float())
+
+
+def chunk_state_forward_reference(k, w, u, g, initial_state=None, chunk: int = 64):
+    """FLA's value-first chunk-state forward (`chunk_gated_delta_rule_fwd_h`) in fp32 (fp64), chunk by chunk:
+    (h [B, NT, H, V, K], v_new [B, T, H, V], final state [B, H, V, K]); g is the chunk-local cumulative log2 gate."""
+    batch, seq_len, heads, key_dim = k.shape
+    dtype = torch.promote_types(k.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    k, w, u, g = (t.to(dtype) for t in (k, w, u, g))
+    state = (torch.zeros(batch, heads, u.shape[-1], key_dim, dtype=dtype) if initial_state is None
+             else initial_state.to(dtype).clone())
+    chunks = -(-seq_len // chunk)
+    h, v_new = torch.empty(batch, chunks, heads, u.shape[-1], key_dim, dtype=dtype), torch.empty_like(u)
+    for t in range(chunks):
+        rows = slice(t * chunk, min((t + 1) * chunk, seq_len))
+        h[:, t] = state
+        gates, last = g[:, rows], g[:, rows][:, -1]
+        v_new[:, rows] = u[:, rows] - torch.einsum("blhk,bhvk->blhv", w[:, rows], state)
+        gated = v_new[:, rows] * torch.exp2(last[:, None] - gates)[..., None]
+        state = state * torch.exp2(last)[..., None, None] + torch.einsum("blhv,blhk->bhvk", gated, k[:, rows])
+    return h, v_new, state
+
+
+def chunk_state_backward_reference(q, k, w, g, do, dv, scale: float, dht=None, chunk: int = 64):
+    """FLA's value-first state-gradient recurrence (`chunk_gated_delta_rule_bwd_dhu`) in fp32 (fp64), from the last
+    chunk:
+    (dh [B, NT, H, V, K], dh0 [B, H, V, K], dv2 [B, T, H, V])."""
+    batch, seq_len, heads, key_dim = q.shape
+    dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    q, k, w, do, dv, g = (t.to(dtype) for t in (q, k, w, do, dv, g))
+    state = torch.zeros(batch, heads, do.shape[-1], key_dim, dtype=dtype) if dht is None else dht.to(dtype).clone()
+    chunks = -(-seq_len // chunk)
+    dh, dv2 = torch.empty(batch, chunks, heads, do.shape[-1], key_dim, dtype=dtype), torch.empty_like(dv)
+    for t in reversed(range(chunks)):
+        rows = slice(t * chunk, min((t + 1) * chunk, seq_len))
+        dh[:, t] = state
+        gates, last = g[:, rows], g[:, rows][:, -1]
+        decay = torch.exp2(last[:, None] - gates)[..., None]
+        dv2[:, rows] = dv[:, rows] + torch.einsum("blhk,bhvk->blhv", k[:, rows], state) * decay
+        gated_do = do[:, rows] * torch.exp2(gates)[..., None]
+        state = (state * torch.exp2(last)[..., None, None]
+                 + scale * torch.einsum("blhv,blhk->bhvk", gated_do, q[:, rows])
+                 - torch.einsum("blhv,blhk->bhvk", dv2[:, rows], w[:, rows]))
+    return dh, state, dv2

@@ -1,0 +1,118 @@
+"""The TMA chunk-state kernels: the fp32 recurrences on CPU through the interpreter, FLA's kernels on the GPU; and
+the two references checked against each other by autograd."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_muon.ops import state_tma
+from tests.interpreter import run_under_interpreter
+
+
+def test_the_backward_reference_is_the_adjoint_of_the_forward_reference():
+    """Autograd through the forward recurrence, with the loss the backward kernel differentiates (the output's
+    inter-chunk part scale·diag(2^g)·q·hᵀ against do, plus v_new against dv), gives its dv2 (the gradient of u)
+    and dh0 (of the initial state)."""
+    from megatron_muon.ops.reference import chunk_state_backward_reference, chunk_state_forward_reference
+
+    torch.manual_seed(0)
+    batch, seq_len, heads, key_dim, value_dim, scale = 2, 150, 2, 16, 8, 0.25
+    q, k, w = (torch.randn(batch, seq_len, heads, key_dim, dtype=torch.float64) * 0.3 for _ in range(3))
+    u = torch.randn(batch, seq_len, heads, value_dim, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(batch, heads, value_dim, key_dim, dtype=torch.float64, requires_grad=True)
+    steps = -torch.rand(batch, seq_len, heads, dtype=torch.float64) * 0.3
+    g = torch.cat([steps[:, i : i + 64].cumsum(1) for i in range(0, seq_len, 64)], dim=1)
+    do, dv = (torch.randn(batch, seq_len, heads, value_dim, dtype=torch.float64) for _ in range(2))
+    h, v_new, _ = chunk_state_forward_reference(k, w, u, g, initial_state=h0)
+    states = h.repeat_interleave(64, dim=1)[:, :seq_len]  # [B, T, H, V, K]: each token's chunk state
+    inter = scale * torch.einsum("blhk,blhvk->blhv", q * torch.exp2(g)[..., None], states)
+    loss = (inter * do).sum() + (v_new * dv).sum()
+    du, dh0 = torch.autograd.grad(loss, [u, h0])
+    _, ref_dh0, ref_dv2 = chunk_state_backward_reference(q, k, w, g, do, dv, scale)
+    torch.testing.assert_close(ref_dv2, du, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ref_dh0, dh0, rtol=1e-10, atol=1e-10)
+
+
+def test_kernels_under_triton_interpreter():
+    """Partial last chunk, two batch elements and heads, with and without initial / final states."""
+    pytest.importorskip("triton", reason="the interpreter comes with Triton")
+    run_under_interpreter(Path(__file__).with_name("_state_tma_interpret_check.py"))
+
+
+def test_cpu_tensors_do_not_qualify_without_the_interpreter():
+    q = torch.randn(1, 64, 1, 64).half()
+    do = torch.randn(1, 64, 1, 16).half()
+    assert state_tma.qualifies([q, q, q], [do, do], torch.zeros(1, 64, 1), None, 64) == state_tma._INTERPRETING
+
+
+def _relative(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", state_tma.CONFIGS, ids=str)
+def test_equal_flas_kernels_at_the_hybrid_shape(config):
+    """bf16 at the hybrid-1.5B's GDN shape (16k tokens, 6 heads, key 256, value 512) for every tile in the table,
+    against FLA's kernels and, on 2k tokens, against the fp32 recurrences (no worse than twice FLA's own error)."""
+    pytest.importorskip("fla", reason="needs flash-linear-attention")
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from megatron_muon.ops.reference import chunk_state_backward_reference, chunk_state_forward_reference
+
+    torch.manual_seed(0)
+    scale = 256**-0.5
+    for seq_len in (16384, 2048):
+        shape = (1, seq_len, 6, 256)
+        q = torch.nn.functional.normalize(torch.randn(shape, device="cuda"), dim=-1).bfloat16()
+        k = torch.nn.functional.normalize(torch.randn(shape, device="cuda"), dim=-1).bfloat16()
+        w = (torch.randn(shape, device="cuda") * 0.05).bfloat16()
+        u, do, dv = (torch.randn(1, seq_len, 6, 512, device="cuda").bfloat16() for _ in range(3))
+        g = chunk_local_cumsum(-torch.rand(1, seq_len, 6, device="cuda") * 0.1, chunk_size=64, scale=RCP_LN2)
+        state = torch.randn(1, 6, 512, 256, device="cuda")
+        pairs = {
+            "forward": (state_tma.chunk_fwd_h(k, w, u, g, state, True, config=config),
+                        chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=state, output_final_state=True,
+                                                     chunk_size=64, state_v_first=True)),
+            "backward": (state_tma.chunk_dhu(q, k, w, g, do, dv, scale, dht=state, want_dh0=True, config=config),
+                         chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g, h0=torch.zeros_like(state), dht=state,
+                                                        do=do, dv=dv, scale=scale, state_v_first=True, chunk_size=64)),
+        }
+        for name, (ours, fla) in pairs.items():
+            for got, want in zip(ours, fla):
+                assert _relative(got, want) < 1e-2, name
+        if seq_len == 2048:
+            cpu = [t.cpu() for t in (q, k, w, g, u, do, dv, state)]
+            references = {"forward": chunk_state_forward_reference(cpu[1], cpu[2], cpu[4], cpu[3], cpu[7]),
+                          "backward": chunk_state_backward_reference(*cpu[:4], cpu[5], cpu[6], scale, dht=cpu[7])}
+            for name, (ours, fla) in pairs.items():
+                for got, theirs, want in zip(ours, fla, references[name]):
+                    assert _relative(got.cpu(), want) < 2 * _relative(theirs.cpu(), want) + 1e-3, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seq_len, keep_states, with_state",
+                         [(1008, True, True), (1008, False, True), (496, True, False)],
+                         ids=["kept-states", "recomputed-states", "no-initial-state"])
+def test_gdn_op_on_the_tma_kernels_matches_the_torch_backend(monkeypatch, seq_len, keep_states, with_state):
+    """The GDN custom op with MEGATRON_MUON_GDN_STATE=tma: every output and gradient within FLA's tolerances of the
+    torch backend, and both kernels really ran."""
+    from tests.ops import test_gdn_gpu
+
+    calls = []
+    for name in ("chunk_fwd_h", "chunk_dhu"):
+        kernel = getattr(state_tma, name)
+        monkeypatch.setattr(state_tma, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    monkeypatch.setenv(state_tma.ENV_VAR, "tma")
+    test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, with_state, False)
+    assert set(calls) == {"chunk_fwd_h", "chunk_dhu"}
+
+
+def test_an_unknown_kernel_choice_names_the_valid_ones(monkeypatch):
+    monkeypatch.setenv(state_tma.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="valid choices"):
+        state_tma.enabled()
