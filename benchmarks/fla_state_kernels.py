@@ -95,26 +95,22 @@ def ours_lines(q, k, w, u, g, do, dv, fla_ms, fla_outputs) -> None:
 
     from megatron_muon.ops import state_tma
 
-    for config in state_tma.CONFIGS:
-        block_v, warps, stages = config
-        runs = {
-            "bwd": (lambda: state_tma.chunk_dhu(q, k, w, g, do, dv, K**-0.5, config=config), 3, fla_ms[0],
-                    fla_outputs[0]),
-            "fwd": (lambda: state_tma.chunk_fwd_h(k, w, u, g, config=config), 2, fla_ms[1], fla_outputs[1]),
-        }
-        parts = []
-        for name, (run, tiles, reference_ms, reference) in runs.items():
+    kernels = {
+        "bwd": (state_tma.BACKWARD_CONFIGS, lambda c: state_tma.chunk_dhu(q, k, w, g, do, dv, K**-0.5, config=c), 3),
+        "fwd": (state_tma.FORWARD_CONFIGS, lambda c: state_tma.chunk_fwd_h(k, w, u, g, config=c), 2),
+    }
+    for (name, (configs, call, tiles)), reference_ms, reference in zip(kernels.items(), fla_ms, fla_outputs):
+        for config in configs:
+            label = f"ours {name} BV={config[0]} warps={config[1]} stages={config[2]}"
             try:
-                outputs = run()
+                outputs = call(config)
                 err = max((a.float() - b.float()).abs().max().item()
                           for a, b in zip(outputs, reference) if a is not None and b is not None)
-                ms = do_bench(run, rep=300)
-                parts.append(f"{name} {ms:.3f} ms = {ms / reference_ms:.3f}x FLA's default "
-                             f"({tile_traffic_tb_per_s(block_v, tiles, ms):.1f} TB/s) err {err:.3g}")
+                ms = do_bench(lambda: call(config), rep=300)
+                print(f"{label}: {ms:.3f} ms = {ms / reference_ms:.3f}x FLA's default "
+                      f"({tile_traffic_tb_per_s(config[0], tiles, ms):.1f} TB/s) err {err:.3g}", flush=True)
             except Exception as error:  # a tile the compiler rejects is a row, not the end of the table
-                parts.append(f"{name} failed {type(error).__name__}: {str(error)[:160]}")
-        print(f"ours BV={block_v} warps={warps} stages={stages}: " + " | ".join(parts), flush=True)
-
+                print(f"{label}: failed {type(error).__name__}: {str(error)[:160]}", flush=True)
 
 if __name__ == "__main__":
     if not torch.cuda.is_available():

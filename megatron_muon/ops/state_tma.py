@@ -152,10 +152,12 @@ if triton is not None:
             tl.store(dh0 + state, b_dh)
 
 
-# (BV, warps, stages) that fit the H200's 227 KiB of shared memory per block at key dim 256 (compiled for sm90: the
-# backward's 64/4/2 takes 217 KiB; 64/8/2 and 32/4/3 do not fit). 64-row value blocks run on wgmma, 16 and 32 on
-# mma.sync. Which is fastest is for the GPU to say (benchmarks/fla_state_kernels.py).
-CONFIGS = [(64, 4, 2), (32, 4, 2), (32, 8, 2), (16, 4, 2), (64, 8, 1), (128, 8, 1)]
+# (BV, warps, stages) that fit the H200's 227 KiB of shared memory per block at key dim 256, compiled for sm90 (the
+# backward streams three key-side tiles per chunk, the forward two: 64/4/2 takes 217 KiB backward, 64/4/3 takes
+# 217 KiB forward). 64- and 128-row value blocks run on wgmma, 16 and 32 on mma.sync. Which is fastest is for the
+# GPU to say (benchmarks/fla_state_kernels.py); the first entry is the default.
+FORWARD_CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2), (32, 4, 3), (32, 4, 4), (16, 4, 2)]
+BACKWARD_CONFIGS = [(64, 4, 2), (32, 4, 2), (32, 8, 2), (16, 4, 2), (64, 8, 1), (128, 8, 1)]
 _INTERPRETER_CONFIG = (16, 4, 1)
 
 
@@ -167,8 +169,8 @@ def _descriptor(t: torch.Tensor, block_cols: int):
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, CHUNK, block_cols])
 
 
-def _tile(value_dim: int, config):
-    block_v, warps, stages = config or (_INTERPRETER_CONFIG if _INTERPRETING else CONFIGS[0])
+def _tile(value_dim: int, config, table):
+    block_v, warps, stages = config or (_INTERPRETER_CONFIG if _INTERPRETING else table[0])
     if value_dim % block_v:
         raise ValueError(f"value dim {value_dim} is not a multiple of the value block {block_v}")
     return block_v, warps, stages
@@ -180,7 +182,7 @@ def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False
     batch, seq_len, heads, key_dim = k.shape
     value_dim = u.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
-    block_v, warps, stages = _tile(value_dim, config)
+    block_v, warps, stages = _tile(value_dim, config, FORWARD_CONFIGS)
     h = k.new_empty(batch, chunks, heads, value_dim, key_dim)
     v_new = torch.empty_like(u)
     final = k.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if output_final_state else None
@@ -199,7 +201,7 @@ def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False
     batch, seq_len, heads, key_dim = q.shape
     value_dim = do.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
-    block_v, warps, stages = _tile(value_dim, config)
+    block_v, warps, stages = _tile(value_dim, config, BACKWARD_CONFIGS)
     dh = q.new_empty(batch, chunks, heads, value_dim, key_dim)
     dv2 = torch.empty_like(dv)
     dh0 = q.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if want_dh0 else None
