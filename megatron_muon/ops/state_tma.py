@@ -11,7 +11,8 @@ q, k and w backward) for every chunk. FLA's kernels load them into registers 64 
 waits on L2 (benchmarks/results/fla_state_kernels.md). Here TMA descriptors stream them into shared memory and the
 chunk loop is software-pipelined, so the next chunk's tiles arrive while this one computes. Every product takes the
 [BV, ·] register tile as its left operand and a shared-memory tile as its right one (v_new and dv2 are computed
-transposed), so the state never goes through shared memory and 64-row value blocks run on wgmma.
+transposed), so the state never goes through shared memory; the state is kept in 64-column key slices, as in FLA's
+kernels, so that no product's operands overflow the registers.
 
 Rounding differs from FLA's in one place: the backward's gate 2^g multiplies do (a [BT, BV] tile) instead of q, and
 that product runs in the input dtype rather than tf32. Dense equal-length batches with one value head per key head;
@@ -32,6 +33,7 @@ except ImportError:  # the caller keeps FLA's kernels
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
+KEY_SLICE = 64  # the kernels keep the state in [BV, 64] key slices (key dims 64, 128 or 256)
 ENV_VAR = "MEGATRON_MUON_GDN_STATE"
 CHOICES = ("fla", "tma")
 
@@ -85,33 +87,81 @@ if triton is not None:
         tl.store(out + (rows[:, None] * H + i_h) * V + o_v[None, :], tl.trans(tile_t), mask=(o_t < T)[:, None])
 
     @triton.jit
+    def _state_slice(base, i_b, i_t, NT, state, j, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
+                     KS: tl.constexpr):
+        """Pointers to key slice j ([BV, KS]) of chunk i_t's state in a [B, NT, H, V, K] tensor."""
+        return base + (i_b * NT + i_t) * H * V * K - i_b * H * V * K + state + j * KS
+
+    @triton.jit
     def _fwd_h_kernel(
         k_desc, w_desc, u_desc, g, h0, h, v_new, ht, T, NT,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
         STAGES: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     ):  # fmt: skip
+        """The state in key slices of 64 columns (as FLA keeps it): each product's operands stay small enough for
+        the registers; the slices' tiles still come through TMA."""
+        KS: tl.constexpr = 64
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
         o_v = i_v * BV + tl.arange(0, BV)
-        state = (i_bh * V + o_v[:, None]) * K + tl.arange(0, K)[None, :]  # [BV, K] in a [B, H, V, K] state
-        b_h = tl.zeros([BV, K], dtype=tl.float32)
+        state = (i_bh * V + o_v[:, None]) * K + tl.arange(0, KS)[None, :]  # slice 0 of a [B, H, V, K] state
+        b_h0 = tl.zeros([BV, KS], dtype=tl.float32)
+        b_h1 = tl.zeros([BV, KS], dtype=tl.float32)
+        b_h2 = tl.zeros([BV, KS], dtype=tl.float32)
+        b_h3 = tl.zeros([BV, KS], dtype=tl.float32)
         if USE_INITIAL_STATE:
-            b_h += tl.load(h0 + state).to(tl.float32)
+            b_h0 += tl.load(h0 + state).to(tl.float32)
+            if K > 64:
+                b_h1 += tl.load(h0 + state + KS).to(tl.float32)
+            if K > 128:
+                b_h2 += tl.load(h0 + state + 2 * KS).to(tl.float32)
+                b_h3 += tl.load(h0 + state + 3 * KS).to(tl.float32)
+        column = (i_h * K).to(tl.int32)
         for i_t in tl.range(0, NT, num_stages=STAGES):
             t0 = i_t * BT
-            tl.store(h + (i_b * NT + i_t) * H * V * K + state - i_b * H * V * K, b_h.to(h.dtype.element_ty))
-            where = [i_b.to(tl.int32), t0, (i_h * K).to(tl.int32)]
-            b_k = k_desc.load(where).reshape(BT, K)
-            b_w = w_desc.load(where).reshape(BT, K)
-            b_u = u_desc.load([i_b.to(tl.int32), t0, (i_h * V + i_v * BV).to(tl.int32)]).reshape(BT, BV)
-            b_g, b_g_last, inside = _chunk_gates(g, i_b, i_h, t0, T, H, BT)
-            b_vt = tl.trans(b_u).to(tl.float32) - tl.dot(b_h.to(b_w.dtype), tl.trans(b_w))  # v_newᵀ [BV, BT]
+            batch = i_b.to(tl.int32)
+            dtype = h.dtype.element_ty
+            tl.store(_state_slice(h, i_b, i_t, NT, state, 0, H, V, K, KS), b_h0.to(dtype))
+            b_vt = -tl.dot(b_h0.to(w_desc.dtype), tl.trans(w_desc.load([batch, t0, column]).reshape(BT, KS)))
+            if K > 64:
+                tl.store(_state_slice(h, i_b, i_t, NT, state, 1, H, V, K, KS), b_h1.to(dtype))
+                b_w = w_desc.load([batch, t0, column + KS]).reshape(BT, KS)
+                b_vt -= tl.dot(b_h1.to(w_desc.dtype), tl.trans(b_w))
+            if K > 128:
+                tl.store(_state_slice(h, i_b, i_t, NT, state, 2, H, V, K, KS), b_h2.to(dtype))
+                tl.store(_state_slice(h, i_b, i_t, NT, state, 3, H, V, K, KS), b_h3.to(dtype))
+                b_w = w_desc.load([batch, t0, column + 2 * KS]).reshape(BT, KS)
+                b_vt -= tl.dot(b_h2.to(w_desc.dtype), tl.trans(b_w))
+                b_w = w_desc.load([batch, t0, column + 3 * KS]).reshape(BT, KS)
+                b_vt -= tl.dot(b_h3.to(w_desc.dtype), tl.trans(b_w))
+            b_u = u_desc.load([batch, t0, (i_h * V + i_v * BV).to(tl.int32)]).reshape(BT, BV)
+            b_vt += tl.trans(b_u).to(tl.float32)  # v_newᵀ [BV, BT]
             _store_rows(v_new, b_vt.to(b_u.dtype), i_b, i_h, t0, T, o_v, H, V, BT)
-            b_vt = (b_vt * tl.where(inside, tl.exp2(b_g_last - b_g), 0.0)[None, :]).to(b_k.dtype)
-            b_h = b_h * tl.exp2(b_g_last) + tl.dot(b_vt, b_k)
+            b_g, b_g_last, inside = _chunk_gates(g, i_b, i_h, t0, T, H, BT)
+            b_vt = (b_vt * tl.where(inside, tl.exp2(b_g_last - b_g), 0.0)[None, :]).to(w_desc.dtype)
+            decay = tl.exp2(b_g_last)
+            b_h0 = b_h0 * decay + tl.dot(b_vt, k_desc.load([batch, t0, column]).reshape(BT, KS))
+            if K > 64:
+                b_h1 = b_h1 * decay + tl.dot(b_vt, k_desc.load([batch, t0, column + KS]).reshape(BT, KS))
+            if K > 128:
+                b_h2 = b_h2 * decay + tl.dot(b_vt, k_desc.load([batch, t0, column + 2 * KS]).reshape(BT, KS))
+                b_h3 = b_h3 * decay + tl.dot(b_vt, k_desc.load([batch, t0, column + 3 * KS]).reshape(BT, KS))
         if STORE_FINAL_STATE:
-            tl.store(ht + state, b_h)
+            tl.store(ht + state, b_h0)
+            if K > 64:
+                tl.store(ht + state + KS, b_h1)
+            if K > 128:
+                tl.store(ht + state + 2 * KS, b_h2)
+                tl.store(ht + state + 3 * KS, b_h3)
+
+    @triton.jit
+    def _dh_slice_update(b_dh, q_desc, w_desc, where, b_do_gated_t, b_dv2t, decay, scale, BT: tl.constexpr,
+                         KS: tl.constexpr):
+        """One key slice of dh ← 2^g_last·dh + scale·(gated do)ᵀ·q − dv2ᵀ·w."""
+        b_q = q_desc.load(where).reshape(BT, KS)
+        b_w = w_desc.load(where).reshape(BT, KS)
+        return b_dh * decay + tl.dot(b_do_gated_t, b_q) * scale - tl.dot(b_dv2t, b_w)
 
     @triton.jit
     def _dhu_kernel(
@@ -119,45 +169,79 @@ if triton is not None:
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
         STAGES: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     ):  # fmt: skip
+        """The state gradient in key slices of 64 columns, as in the forward."""
+        KS: tl.constexpr = 64
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
         o_v = i_v * BV + tl.arange(0, BV)
-        state = (i_bh * V + o_v[:, None]) * K + tl.arange(0, K)[None, :]  # [BV, K] in a [B, H, V, K] state
-        b_dh = tl.zeros([BV, K], dtype=tl.float32)
+        state = (i_bh * V + o_v[:, None]) * K + tl.arange(0, KS)[None, :]  # slice 0 of a [B, H, V, K] state
+        b_dh0 = tl.zeros([BV, KS], dtype=tl.float32)
+        b_dh1 = tl.zeros([BV, KS], dtype=tl.float32)
+        b_dh2 = tl.zeros([BV, KS], dtype=tl.float32)
+        b_dh3 = tl.zeros([BV, KS], dtype=tl.float32)
         if USE_FINAL_STATE_GRADIENT:
-            b_dh += tl.load(dht + state).to(tl.float32)
+            b_dh0 += tl.load(dht + state).to(tl.float32)
+            if K > 64:
+                b_dh1 += tl.load(dht + state + KS).to(tl.float32)
+            if K > 128:
+                b_dh2 += tl.load(dht + state + 2 * KS).to(tl.float32)
+                b_dh3 += tl.load(dht + state + 3 * KS).to(tl.float32)
+        column = (i_h * K).to(tl.int32)
         for i in tl.range(0, NT, num_stages=STAGES):
             i_t = NT - 1 - i
             t0 = i_t * BT
+            batch = i_b.to(tl.int32)
+            dtype = dh.dtype.element_ty
             # dh[b, t, h]: the gradient entering chunk t from the chunks after it
-            tl.store(dh + (i_b * NT + i_t) * H * V * K + state - i_b * H * V * K, b_dh.to(dh.dtype.element_ty))
-            where = [i_b.to(tl.int32), t0, (i_h * K).to(tl.int32)]
-            b_k = k_desc.load(where).reshape(BT, K)
-            b_q = q_desc.load(where).reshape(BT, K)
-            b_w = w_desc.load(where).reshape(BT, K)
-            value_where = [i_b.to(tl.int32), t0, (i_h * V + i_v * BV).to(tl.int32)]
+            tl.store(_state_slice(dh, i_b, i_t, NT, state, 0, H, V, K, KS), b_dh0.to(dtype))
+            b_dv2t = tl.dot(b_dh0.to(k_desc.dtype), tl.trans(k_desc.load([batch, t0, column]).reshape(BT, KS)))
+            if K > 64:
+                tl.store(_state_slice(dh, i_b, i_t, NT, state, 1, H, V, K, KS), b_dh1.to(dtype))
+                b_k = k_desc.load([batch, t0, column + KS]).reshape(BT, KS)
+                b_dv2t += tl.dot(b_dh1.to(k_desc.dtype), tl.trans(b_k))
+            if K > 128:
+                tl.store(_state_slice(dh, i_b, i_t, NT, state, 2, H, V, K, KS), b_dh2.to(dtype))
+                tl.store(_state_slice(dh, i_b, i_t, NT, state, 3, H, V, K, KS), b_dh3.to(dtype))
+                b_k = k_desc.load([batch, t0, column + 2 * KS]).reshape(BT, KS)
+                b_dv2t += tl.dot(b_dh2.to(k_desc.dtype), tl.trans(b_k))
+                b_k = k_desc.load([batch, t0, column + 3 * KS]).reshape(BT, KS)
+                b_dv2t += tl.dot(b_dh3.to(k_desc.dtype), tl.trans(b_k))
+            value_where = [batch, t0, (i_h * V + i_v * BV).to(tl.int32)]
             b_do = do_desc.load(value_where).reshape(BT, BV)
             b_dv = dv_desc.load(value_where).reshape(BT, BV)
             b_g, b_g_last, inside = _chunk_gates(g, i_b, i_h, t0, T, H, BT)
-            b_dv2t = tl.dot(b_dh.to(b_k.dtype), tl.trans(b_k))  # dv2ᵀ [BV, BT]
             b_dv2t = b_dv2t * tl.where(inside, tl.exp2(b_g_last - b_g), 0.0)[None, :] + tl.trans(b_dv).to(tl.float32)
-            b_dv2t = b_dv2t.to(b_dv.dtype)
+            b_dv2t = b_dv2t.to(b_dv.dtype)  # dv2ᵀ [BV, BT]
             _store_rows(dv2, b_dv2t, i_b, i_h, t0, T, o_v, H, V, BT)
-            b_do_gated_t = (tl.trans(b_do).to(tl.float32) * tl.exp2(b_g)[None, :]).to(b_q.dtype)  # [BV, BT]
-            b_dh = b_dh * tl.exp2(b_g_last)
-            b_dh += tl.dot(b_do_gated_t, b_q) * scale
-            b_dh -= tl.dot(b_dv2t, b_w)
+            b_do_gated_t = (tl.trans(b_do).to(tl.float32) * tl.exp2(b_g)[None, :]).to(b_do.dtype)  # [BV, BT]
+            decay = tl.exp2(b_g_last)
+            b_dh0 = _dh_slice_update(b_dh0, q_desc, w_desc, [batch, t0, column], b_do_gated_t, b_dv2t, decay, scale,
+                                     BT, KS)
+            if K > 64:
+                b_dh1 = _dh_slice_update(b_dh1, q_desc, w_desc, [batch, t0, column + KS], b_do_gated_t, b_dv2t,
+                                         decay, scale, BT, KS)
+            if K > 128:
+                b_dh2 = _dh_slice_update(b_dh2, q_desc, w_desc, [batch, t0, column + 2 * KS], b_do_gated_t, b_dv2t,
+                                         decay, scale, BT, KS)
+                b_dh3 = _dh_slice_update(b_dh3, q_desc, w_desc, [batch, t0, column + 3 * KS], b_do_gated_t, b_dv2t,
+                                         decay, scale, BT, KS)
         if USE_INITIAL_STATE:
-            tl.store(dh0 + state, b_dh)
+            tl.store(dh0 + state, b_dh0)
+            if K > 64:
+                tl.store(dh0 + state + KS, b_dh1)
+            if K > 128:
+                tl.store(dh0 + state + 2 * KS, b_dh2)
+                tl.store(dh0 + state + 3 * KS, b_dh3)
 
 
-# (BV, warps, stages) that fit the H200's 227 KiB of shared memory per block at key dim 256, compiled for sm90 (the
-# backward streams three key-side tiles per chunk, the forward two: 64/4/2 takes 217 KiB backward, 64/4/3 takes
-# 217 KiB forward). 64- and 128-row value blocks run on wgmma, 16 and 32 on mma.sync. Which is fastest is for the
-# GPU to say (benchmarks/fla_state_kernels.py); the first entry is the default.
-FORWARD_CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2), (32, 4, 3), (32, 4, 4), (16, 4, 2)]
-BACKWARD_CONFIGS = [(64, 4, 2), (32, 4, 2), (32, 8, 2), (16, 4, 2), (64, 8, 1), (128, 8, 1)]
+# (BV, warps, stages): every entry compiles for sm90 within the H200's 227 KiB of shared memory per block at key dim
+# 256. Checked with Triton's own ptxas on a CPU machine: the forward's first six and the backward's first five use
+# no local memory (the 64-column key slices keep operands small; with whole 256-column tiles every config spilled);
+# the rest spill a little and are there to be measured. Which is fastest is for the GPU to say
+# (benchmarks/fla_state_kernels.py); the first entry is the default.
+FORWARD_CONFIGS = [(32, 4, 3), (32, 8, 3), (32, 8, 2), (32, 4, 4), (16, 4, 3), (16, 4, 2), (64, 8, 2)]
+BACKWARD_CONFIGS = [(32, 8, 2), (32, 8, 3), (16, 4, 2), (16, 4, 3), (16, 8, 2), (32, 4, 2), (64, 8, 1)]
 _INTERPRETER_CONFIG = (16, 4, 1)
 
 
@@ -188,7 +272,7 @@ def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False
     final = k.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if output_final_state else None
     h0 = None if initial_state is None else initial_state.contiguous()
     _fwd_h_kernel[(value_dim // block_v, batch * heads)](
-        _descriptor(k, key_dim), _descriptor(w, key_dim), _descriptor(u, block_v), g.contiguous(), h0, h, v_new,
+        _descriptor(k, KEY_SLICE), _descriptor(w, KEY_SLICE), _descriptor(u, block_v), g.contiguous(), h0, h, v_new,
         final, seq_len, chunks, H=heads, K=key_dim, V=value_dim, BT=CHUNK, BV=block_v, STAGES=stages,
         USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, num_warps=warps,
     )
@@ -207,7 +291,7 @@ def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False
     dh0 = q.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if want_dh0 else None
     dht = None if dht is None else dht.contiguous()
     _dhu_kernel[(value_dim // block_v, batch * heads)](
-        _descriptor(q, key_dim), _descriptor(k, key_dim), _descriptor(w, key_dim), _descriptor(do, block_v),
+        _descriptor(q, KEY_SLICE), _descriptor(k, KEY_SLICE), _descriptor(w, KEY_SLICE), _descriptor(do, block_v),
         _descriptor(dv, block_v), g.contiguous(), dht, dh, dv2, dh0, float(scale), seq_len, chunks,
         H=heads, K=key_dim, V=value_dim, BT=CHUNK, BV=block_v, STAGES=stages,
         USE_FINAL_STATE_GRADIENT=dht is not None, USE_INITIAL_STATE=want_dh0, num_warps=warps,

@@ -30,8 +30,10 @@ def main():
     g = torch.Generator().manual_seed(0)
     # fp16: Triton 3.6's interpreter reads bf16 through tensor descriptors as raw bits (the GPU tests cover bf16).
     # 150 tokens: two full chunks and a partial one (TMA zero-fills past each batch element's end).
+    # key dims 64, 128 and 256: one, two and four 64-column key slices of the state
     for batch, seq_len, heads, key_dim, value_dim, with_states in [(2, 150, 2, 64, 32, True),
-                                                                   (1, 128, 1, 128, 16, False)]:
+                                                                   (1, 128, 1, 128, 16, False),
+                                                                   (1, 100, 2, 256, 16, True)]:
         def unit_rows():
             x = torch.randn(batch, seq_len, heads, key_dim, generator=g)
             return torch.nn.functional.normalize(x, dim=-1).half()
