@@ -7,12 +7,13 @@ Forward, chunk by chunk: h_t (stored) = h; v_new_t = u_t − w_t·hᵀ;
 Backward, from the last chunk: dh_t (stored) = dh; dv2_t = dv_t + diag(2^(g_last − g))·k_t·dhᵀ;
     dh ← 2^g_last·dh + scale·(diag(2^g)·do_t)ᵀ·q_t − dv2_tᵀ·w_t.
 Each program owns one (head, value block) and reads the chunk's whole key-side tiles ([BT, K]: k and w forward,
-q, k and w backward) for every chunk. FLA's kernels load them into registers 64 key columns at a time, so each chunk
-waits on L2 (benchmarks/results/fla_state_kernels.md). Here TMA descriptors stream them into shared memory and the
-chunk loop is software-pipelined, so the next chunk's tiles arrive while this one computes. Every product takes the
-[BV, ·] register tile as its left operand and a shared-memory tile as its right one (v_new and dv2 are computed
+q, k and w backward) for every chunk (benchmarks/results/fla_state_kernels.md: at 16-column value blocks that
+traffic is what limits FLA's kernels; at 32 and wider the chain of dependent products inside each chunk does). Here
+TMA descriptors stream the tiles into shared memory and the chunk loop is software-pipelined. Every product takes
+the [BV, ·] register tile as its left operand and a shared-memory tile as its right one (v_new and dv2 are computed
 transposed), so the state never goes through shared memory; the state is kept in 64-column key slices, as in FLA's
-kernels, so that no product's operands overflow the registers.
+kernels, so that no product's operands overflow the registers. Whether this shortens the chain is for the GPU to
+show.
 
 Rounding differs from FLA's in one place: the backward's gate 2^g multiplies do (a [BT, BV] tile) instead of q, and
 that product runs in the input dtype rather than tf32. Dense equal-length batches with one value head per key head;
@@ -236,9 +237,10 @@ if triton is not None:
 
 
 # (BV, warps, stages): every entry compiles for sm90 within the H200's 227 KiB of shared memory per block at key dim
-# 256. Checked with Triton's own ptxas on a CPU machine: the forward's first six and the backward's first five use
-# no local memory (the 64-column key slices keep operands small; with whole 256-column tiles every config spilled);
-# the rest spill a little and are there to be measured. Which is fastest is for the GPU to say
+# 256. Checked with Triton's own ptxas on a CPU machine (pointers and lengths specialized as divisible by 16, as at
+# run time): no forward tile spills registers, the backward's first five spill at most 8 bytes, 32/4/2 and
+# 64/8/1 spill 60 and 124 (the 64-column key slices keep operands small; whole 256-column tiles spilled in every
+# config). Which is fastest is for the GPU to say
 # (benchmarks/fla_state_kernels.py); the first entry is the default.
 FORWARD_CONFIGS = [(32, 4, 3), (32, 8, 3), (32, 8, 2), (32, 4, 4), (16, 4, 3), (16, 4, 2), (64, 8, 2)]
 BACKWARD_CONFIGS = [(32, 8, 2), (32, 8, 3), (16, 4, 2), (16, 4, 3), (16, 8, 2), (32, 4, 2), (64, 8, 1)]
