@@ -75,7 +75,8 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
 
 
 def _on_state_tma(key_side, value_side, g_cumsum, cu_seqlens) -> bool:
-    """Whether the chunk-state recurrences run on our TMA kernels (`ops/state_tma.py`, opt-in) for these inputs."""
+    """Whether the chunk-state recurrences run on our TMA kernels (`ops/state_tma.py`) for these inputs: where they
+    qualify, unless MEGATRON_MUON_GDN_STATE=fla."""
     return STATE_V_FIRST and state_tma.enabled() and state_tma.qualifies(key_side, value_side, g_cumsum, cu_seqlens,
                                                                           CHUNK_SIZE)
 

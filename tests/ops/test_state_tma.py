@@ -138,6 +138,27 @@ def test_gdn_op_on_the_tma_kernels_matches_the_torch_backend(monkeypatch, seq_le
     assert set(calls) == {"chunk_fwd_h", "chunk_dhu"}
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_gdn_op_keeps_flas_state_kernels_when_asked(monkeypatch):
+    """MEGATRON_MUON_GDN_STATE=fla: the GDN op matches the torch backend and neither of our kernels runs."""
+    from tests.ops import test_gdn_gpu
+
+    calls = []
+    for name in ("chunk_fwd_h", "chunk_dhu"):
+        monkeypatch.setattr(state_tma, name, lambda *a, _n=name, **kw: calls.append(_n))
+    monkeypatch.setenv(state_tma.ENV_VAR, "fla")
+    test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, 1008, True, True, False)
+    assert calls == []
+
+
+def test_the_default_kernel_choice_is_ours(monkeypatch):
+    monkeypatch.delenv(state_tma.ENV_VAR, raising=False)
+    assert state_tma.enabled()
+    monkeypatch.setenv(state_tma.ENV_VAR, "fla")
+    assert not state_tma.enabled()
+
+
 def test_an_unknown_kernel_choice_names_the_valid_ones(monkeypatch):
     monkeypatch.setenv(state_tma.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="valid choices"):
