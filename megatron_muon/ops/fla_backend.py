@@ -8,12 +8,15 @@ Imports are lazy: this module is only touched when a CUDA op runs with an FLA ba
 """
 
 import functools
+import os
 
 import torch
 
-from megatron_muon.ops import state_tma
+from megatron_muon.ops import dqkwg, state_tma
 
 CHUNK_SIZE = 64
+KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
+KERNEL_CHOICES = ("ours", "fla")
 # Recurrent state stored [V, K] inside the kernels (FLA's own layers run this way, so both share kernels and autotune
 # entries); our API keeps [N, HV, K, V] and transposes the few [N, HV, ., .] boundary states.
 STATE_V_FIRST = True
@@ -74,11 +77,19 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     return o.to(v.dtype), final_state.float(), g_cumsum.float(), a_inverse.to(k.dtype), w, h, v_new
 
 
+def ours_enabled() -> bool:
+    """Whether GDN's chunk ops run our kernels (`ops/state_tma.py`, `ops/dqkwg.py`) where they qualify: the default;
+    MEGATRON_MUON_GDN_KERNELS=fla keeps FLA's everywhere."""
+    choice = os.environ.get(KERNELS_ENV_VAR, "ours")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNELS_ENV_VAR}={choice!r}; valid choices: {KERNEL_CHOICES}")
+    return choice == "ours"
+
+
 def _on_state_tma(key_side, value_side, g_cumsum, cu_seqlens) -> bool:
-    """Whether the chunk-state recurrences run on our TMA kernels (`ops/state_tma.py`) for these inputs: where they
-    qualify, unless MEGATRON_MUON_GDN_STATE=fla."""
-    return STATE_V_FIRST and state_tma.enabled() and state_tma.qualifies(key_side, value_side, g_cumsum, cu_seqlens,
-                                                                          CHUNK_SIZE)
+    """Whether the chunk-state recurrences run on our TMA kernels for these inputs."""
+    return STATE_V_FIRST and ours_enabled() and state_tma.qualifies(key_side, value_side, g_cumsum, cu_seqlens,
+                                                                     CHUNK_SIZE)
 
 
 def _forward_states(k, w, u, g_cumsum, initial_state, output_final_state, cu_seqlens, chunk_indices):
@@ -135,8 +146,12 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
                 q=q, k=k, w=w, g=g_cumsum, h0=h0, dht=dht, do=do, dv=dv, scale=scale, state_v_first=STATE_V_FIRST,
                 chunk_size=CHUNK_SIZE, **common,
             )
-        dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh, scale=scale,
-                                         state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
+        if STATE_V_FIRST and ours_enabled() and dqkwg.qualifies(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens,
+                                                                CHUNK_SIZE):
+            dq, dk, dw, dg = dqkwg.chunk_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, scale)
+        else:
+            dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
+                                             scale=scale, state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
         dk2, dv, dbeta, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g_cumsum, A=a_inverse, dw=dw, du=dv,
                                                   **common)
         dk.add_(dk2)

@@ -4,6 +4,8 @@ They follow the math literally (one token at a time for the delta rule) so that 
 slow on purpose and are never used for training.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -132,3 +134,38 @@ def chunk_state_backward_reference(q, k, w, g, do, dv, scale: float, dht=None, c
                  + scale * torch.einsum("blhv,blhk->bhvk", gated_do, q[:, rows])
                  - torch.einsum("blhv,blhk->bhvk", dv2[:, rows], w[:, rows]))
     return dh, state, dv2
+
+
+def chunk_output_grads_reference(q, k, v_new, w, g, h, do, dh, dv, scale: float, chunk: int = 64):
+    """FLA's value-first `chunk_bwd_dqkwg` in fp32 (fp64), as a vector-Jacobian product taken by autograd:
+    (dq, dk, dw [B, T, H, K], dg [B, T, H]).
+
+    Per chunk t, with h_t and v_new held constant and g the chunk-local cumulative log2 gate, three outputs get the
+    cotangents do, dh_t (the gradient of the state after chunk t) and dv (that of v_new):
+        o_t = scale·(2^g ⊙ q_t)·h_tᵀ + scale·(causal(q_t·k_tᵀ ⊙ 2^(g_i − g_j)))·v_new_t,
+        S_t = 2^g_last·h_t + (2^(g_last − g) ⊙ v_new_t)ᵀ·k_t,
+        x_t = −w_t·h_tᵀ (so dw = −dv·h_t).
+    dg is the gradient with respect to the gate in natural-log units (g·ln 2), as FLA's kernel returns it.
+    """
+    dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, w, g)]
+    q, k, w, g = inputs
+    v_new, h, do, dh, dv = (t.to(dtype) for t in (v_new, h, do, dh, dv))
+    seq_len = q.shape[1]
+    total = q.new_zeros(())
+    with torch.enable_grad():
+        for t in range(-(-seq_len // chunk)):
+            rows = slice(t * chunk, min((t + 1) * chunk, seq_len))
+            q_t, k_t, g_t, v_t, h_t = q[:, rows], k[:, rows], g[:, rows], v_new[:, rows], h[:, t]
+            last = g_t[:, -1]
+            causal = torch.ones(g_t.shape[1], g_t.shape[1], dtype=torch.bool).tril()
+            gaps = torch.where(causal[None, :, :, None], g_t[:, :, None] - g_t[:, None, :], 0)  # [B, i, j, H]
+            scores = torch.einsum("bihk,bjhk->bijh", q_t, k_t) * torch.exp2(gaps) * causal[None, :, :, None]
+            o_t = scale * (torch.einsum("blhk,bhvk->blhv", q_t * torch.exp2(g_t)[..., None], h_t)
+                           + torch.einsum("bijh,bjhv->bihv", scores, v_t))
+            s_t = (h_t * torch.exp2(last)[..., None, None]
+                   + torch.einsum("blhv,blhk->bhvk", v_t * torch.exp2(last[:, None] - g_t)[..., None], k_t))
+            x_t = -torch.einsum("blhk,bhvk->blhv", w[:, rows], h_t)
+            total = total + (o_t * do[:, rows]).sum() + (s_t * dh[:, t]).sum() + (x_t * dv[:, rows]).sum()
+        dq, dk, dw, dg = torch.autograd.grad(total, inputs)
+    return dq, dk, dw, dg / math.log(2)

@@ -17,7 +17,7 @@ takes 0.74–0.76× FLA's autotuned kernel and the forward the same time (benchm
 
 Rounding differs from FLA's in one place: the backward's gate 2^g multiplies do (a [BT, BV] tile) instead of q, and
 that product runs in the input dtype rather than tf32. Dense equal-length batches with one value head per key head;
-everything else stays on FLA (`qualifies`). On by default; MEGATRON_MUON_GDN_STATE=fla keeps FLA's kernels.
+everything else stays on FLA (`qualifies`). On by default; MEGATRON_MUON_GDN_KERNELS=fla keeps FLA's kernels.
 """
 
 from __future__ import annotations
@@ -35,19 +35,6 @@ except ImportError:  # the caller keeps FLA's kernels
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
 KEY_SLICE = 64  # the kernels keep the state in [BV, 64] key slices (key dims 64, 128 or 256)
-ENV_VAR = "MEGATRON_MUON_GDN_STATE"
-CHOICES = ("fla", "tma")
-
-
-def enabled() -> bool:
-    """Whether GDN's chunk ops use these kernels where they qualify (default; `MEGATRON_MUON_GDN_STATE=fla` keeps
-    FLA's)."""
-    choice = os.environ.get(ENV_VAR, "tma")
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV_VAR}={choice!r}; valid choices: {CHOICES}")
-    return choice == "tma"
-
-
 def qualifies(key_side: list, value_side: list, g, cu_seqlens, chunk_size: int) -> bool:
     """Dense [B, T, H, K] key-side and [B, T, H, V] value-side bf16/fp16 tensors on an sm90+ GPU (or the
     interpreter), one value head per key head, contiguous (TMA-able)."""

@@ -1,13 +1,15 @@
 """The TMA chunk-state kernels: the fp32 recurrences on CPU through the interpreter, FLA's kernels on the GPU; and
-the two references checked against each other by autograd."""
+the two references checked against each other by autograd. Also the GDN op on all of our chunk kernels."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_muon.ops import state_tma
+from megatron_muon.ops import dqkwg, fla_backend, state_tma
 from tests.interpreter import run_under_interpreter
+
+OUR_KERNELS = [(state_tma, "chunk_fwd_h"), (state_tma, "chunk_dhu"), (dqkwg, "chunk_dqkwg")]
 
 
 def test_the_backward_reference_is_the_adjoint_of_the_forward_reference():
@@ -124,42 +126,42 @@ def test_state_gradients_equal_flas_kernel_at_the_hybrid_shape(config):
 @pytest.mark.parametrize("seq_len, keep_states, with_state",
                          [(1008, True, True), (1008, False, True), (496, True, False)],
                          ids=["kept-states", "recomputed-states", "no-initial-state"])
-def test_gdn_op_on_the_tma_kernels_matches_the_torch_backend(monkeypatch, seq_len, keep_states, with_state):
-    """The GDN custom op with MEGATRON_MUON_GDN_STATE=tma: every output and gradient within FLA's tolerances of the
-    torch backend, and both kernels really ran."""
+def test_gdn_op_on_our_kernels_matches_the_torch_backend(monkeypatch, seq_len, keep_states, with_state):
+    """The GDN custom op with MEGATRON_MUON_GDN_KERNELS=ours: every output and gradient within FLA's tolerances of the
+    torch backend, and all three of our kernels really ran."""
     from tests.ops import test_gdn_gpu
 
     calls = []
-    for name in ("chunk_fwd_h", "chunk_dhu"):
-        kernel = getattr(state_tma, name)
-        monkeypatch.setattr(state_tma, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
-    monkeypatch.setenv(state_tma.ENV_VAR, "tma")
+    for module, name in OUR_KERNELS:
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "ours")
     test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, with_state, False)
-    assert set(calls) == {"chunk_fwd_h", "chunk_dhu"}
+    assert set(calls) == {name for _, name in OUR_KERNELS}
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gdn_op_keeps_flas_state_kernels_when_asked(monkeypatch):
-    """MEGATRON_MUON_GDN_STATE=fla: the GDN op matches the torch backend and neither of our kernels runs."""
+def test_gdn_op_keeps_flas_kernels_when_asked(monkeypatch):
+    """MEGATRON_MUON_GDN_KERNELS=fla: the GDN op matches the torch backend and neither of our kernels runs."""
     from tests.ops import test_gdn_gpu
 
     calls = []
-    for name in ("chunk_fwd_h", "chunk_dhu"):
-        monkeypatch.setattr(state_tma, name, lambda *a, _n=name, **kw: calls.append(_n))
-    monkeypatch.setenv(state_tma.ENV_VAR, "fla")
+    for module, name in OUR_KERNELS:
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **kw: calls.append(_n))
+    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fla")
     test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, 1008, True, True, False)
     assert calls == []
 
 
 def test_the_default_kernel_choice_is_ours(monkeypatch):
-    monkeypatch.delenv(state_tma.ENV_VAR, raising=False)
-    assert state_tma.enabled()
-    monkeypatch.setenv(state_tma.ENV_VAR, "fla")
-    assert not state_tma.enabled()
+    monkeypatch.delenv(fla_backend.KERNELS_ENV_VAR, raising=False)
+    assert fla_backend.ours_enabled()
+    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fla")
+    assert not fla_backend.ours_enabled()
 
 
 def test_an_unknown_kernel_choice_names_the_valid_ones(monkeypatch):
-    monkeypatch.setenv(state_tma.ENV_VAR, "fast")
+    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fast")
     with pytest.raises(ValueError, match="valid choices"):
-        state_tma.enabled()
+        fla_backend.ours_enabled()

@@ -1,0 +1,43 @@
+"""Run under TRITON_INTERPRET=1 in a subprocess: FLA's Triton `chunk_bwd_kernel_dqkwg` against the autograd
+reference (fp16: the interpreter multiplies bf16 tiles as raw bits)."""
+
+import torch
+
+from tests.interpreter import patch_for_numpy_2_5
+
+patch_for_numpy_2_5()
+
+import fla.ops.common.chunk_o as chunk_o  # noqa: E402
+from triton.runtime.autotuner import Autotuner, Heuristics  # noqa: E402
+
+from megatron_muon.ops.reference import chunk_output_grads_reference  # noqa: E402
+from tests.ops._state_tma_interpret_check import chunk_local_log2_gates, relative  # noqa: E402
+
+
+def main():
+    gen = torch.Generator().manual_seed(2)
+    batch, seq_len, heads, key_dim, value_dim = 1, 128, 2, 64, 64
+    rows = lambda dim, s=1.0: (torch.randn(batch, seq_len, heads, dim, generator=gen) * s).half()  # noqa: E731
+    q, k, w, v_new, do, dv = rows(key_dim), rows(key_dim), rows(key_dim, 0.1), rows(value_dim), rows(value_dim), \
+        rows(value_dim)
+    h, dh = (torch.randn(batch, 2, heads, value_dim, key_dim, generator=gen).half() for _ in range(2))
+    g = chunk_local_log2_gates(batch, seq_len, heads, gen)
+    dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
+    dg = torch.empty(1, batch, seq_len, heads)
+    kernel = chunk_o.chunk_bwd_kernel_dqkwg
+    while isinstance(kernel, (Autotuner, Heuristics)):  # below FLA's autotune and heuristics wrappers
+        kernel = kernel.fn
+    kernel[(2, batch * heads)](
+        q=q, k=k, v=v_new, g=g, g_gamma=None, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=dw, dv=dv, dg=dg,
+        cu_seqlens=None, chunk_indices=None, scale=0.125, B=batch, T=seq_len, H=heads, HV=heads, K=key_dim,
+        V=value_dim, BT=64, BK=64, BV=64, USE_G=True, USE_G_GAMMA=False, USE_DW=True, STATE_V_FIRST=True,
+        IS_VARLEN=False,
+    )
+    want = chunk_output_grads_reference(q, k, v_new, w, g, h, do, dh, dv, 0.125)
+    errors = [relative(a, b) for a, b in zip((dq, dk, dw, dg[0]), want)]
+    assert max(errors) < 2e-3, errors  # measured ~3e-4
+    print("interpreter ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Run under TRITON_INTERPRET=1 in a subprocess: the chunk output-gradient kernel on CPU against the autograd
+reference."""
+
+import torch
+
+from tests.interpreter import patch_for_numpy_2_5
+
+patch_for_numpy_2_5()
+
+from megatron_muon.ops.dqkwg import CHUNK, chunk_dqkwg, qualifies  # noqa: E402
+from megatron_muon.ops.reference import chunk_output_grads_reference  # noqa: E402
+from tests.ops._state_tma_interpret_check import chunk_local_log2_gates, relative  # noqa: E402
+
+
+def main():
+    gen = torch.Generator().manual_seed(1)
+    # 150 tokens: two full chunks and a partial one; key dims 64 and 128: one and two key blocks of 64.
+    # fp16 only: Triton 3.6's interpreter multiplies bf16 tiles as raw bits in tl.dot (the GPU tests cover bf16).
+    dtype = torch.float16
+    for batch, seq_len, heads, key_dim, value_dim in [(2, 150, 2, 64, 128), (1, 128, 1, 128, 256)]:
+        def rows(dim, s=1.0):
+            return (torch.randn(batch, seq_len, heads, dim, generator=gen) * s).to(dtype)
+
+        q = torch.nn.functional.normalize(rows(key_dim).float(), dim=-1).to(dtype)
+        k = torch.nn.functional.normalize(rows(key_dim).float(), dim=-1).to(dtype)
+        w, v_new, do, dv = rows(key_dim, 0.1), rows(value_dim, 0.5), rows(value_dim), rows(value_dim)
+        chunks = -(-seq_len // CHUNK)
+        h, dh = (torch.randn(batch, chunks, heads, value_dim, key_dim, generator=gen).to(dtype) for _ in range(2))
+        gates = chunk_local_log2_gates(batch, seq_len, heads, gen)
+        assert qualifies(q, k, v_new, w, gates, h, do, dh, dv, None, CHUNK)
+        scale = key_dim**-0.5
+        got = chunk_dqkwg(q, k, v_new, w, gates, h, do, dh, dv, scale)
+        want = chunk_output_grads_reference(q, k, v_new, w, gates, h, do, dh, dv, scale)
+        # fp16 products with fp32 accumulation, as in FLA's kernel: measured ~3e-4
+        errors = [relative(a, b) for a, b in zip(got, want)]
+        assert max(errors) < 2e-3, errors
+        assert got[3].dtype == torch.float32 and got[0].dtype == dtype
+        print("errors", [f"{e:.1e}" for e in errors])
+    assert not qualifies(q, k, v_new, w, gates, h, do, dh, dv, torch.tensor([0, 64]), CHUNK)
+    print("interpreter ok")
+
+
+if __name__ == "__main__":
+    main()
