@@ -1,7 +1,7 @@
 """GDN's chunk output gradients at the hybrid-1.5B layer shape (16k tokens, 6 heads, key 256, value 512): FLA's
 `chunk_bwd_dqkwg` (TileLang on Hopper, as FLA dispatches it) against ours (`megatron_muon.ops.dqkwg`), autotuned
 and with each tile pinned, in the same run; each row gives the largest difference from FLA's outputs and the rate
-at which the call moves its bytes (every input and output once).
+at which the call moves its bytes (every input and output once, TB/s).
 
     python benchmarks/dqkwg.py --out benchmarks/results/dqkwg.md     # a GPU with FLA (and TileLang on Hopper)
 """
@@ -81,11 +81,11 @@ def main() -> None:
         + ", ".join(f"{name} {version}" for name, version in package_versions().items()),
         f"- command: `python benchmarks/dqkwg.py --out {args.out}`",
         f"- shape: batch {B}, {T} tokens, {H} heads, key {K}, value {V}, chunk 64, states value-first; medians of "
-        "triton.testing.do_bench; GB/s = every input and output once over the time; err = largest absolute "
+        "triton.testing.do_bench; TB/s = every input and output once over the time; err = largest absolute "
         "difference from FLA's outputs",
         f"- the autotuner chose {best}",
         "",
-        "| kernel | ms | × FLA | GB/s | err |",
+        "| kernel | ms | × FLA | TB/s | err |",
         "|---|---:|---:|---:|---:|",
         *rows,
     ]

@@ -6,13 +6,15 @@ values v_new, dv their gradient and g FLA's chunk-local cumulative log2 gate (re
 `ops/reference.chunk_output_grads_reference`):
     ds = causal(do·vᵀ ⊙ 2^(g_i − g_j))·scale,  dq = scale·2^g ⊙ (do·h_t) + ds·k,
     dk = 2^(g_last − g) ⊙ (v·dh_t) + dsᵀ·q,  dw = −dv·h_t,
-    dg = rowsum(dq ⊙ q) − rowsum(dk ⊙ k), plus 2^g_last·Σ(h_t ⊙ dh_t) + Σ(2^(g_last − g) ⊙ (v·dh_t) ⊙ k) on the
-    chunk's last row (FLA adds the reverse cumulative sum afterwards).
+    dg = rowsum(dq ⊙ q) − rowsum(dk ⊙ k), plus 2^g_last·Σ(h_t ⊙ dh_t) + Σ(2^(g_last − g) ⊙ (v·dh_t) ⊙ k)
+    on the chunk's last row (FLA adds the reverse cumulative sum afterwards).
 FLA's Triton kernel forms dsᵀ by transposing ds, a tensor in the tensor-core accumulator layout, which Triton 3.4 to
 3.7.0 miscompiles on Hopper (FLA issue #640; FLA routes it to TileLang there). This kernel computes dsᵀ as its own
 product, v·doᵀ, instead: a [BT, BT] product beside three [BT, BK] ones per value block.
 One program per (key block, chunk, head); the key blocks of a chunk run next to each other, so the chunk's value-side
-tiles (do, v, dv) come from L2 after the first. dg is written per key block and summed.
+tiles (do, v, dv) come from L2 after the first. dg is written per key block and summed. On an H200 at the
+hybrid-1.5B shape it takes 0.68× FLA's call (TileLang there) and moves its bytes at 3.2 TB/s
+(benchmarks/results/dqkwg.md).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def qualifies(q, k, v_new, w, g, h, do, dh, dv, cu_seqlens, chunk_size: int) -> 
 if triton is not None:
 
     @triton.jit
-    def _dqkwg_kernel(
+    def _chunk_dqkwg_kernel(
         q, k, v, w_grad, g, h, do, dh, dv, dq, dk, dg, scale, T, NT,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
         BV: tl.constexpr, STAGES: tl.constexpr,
@@ -130,7 +132,7 @@ if triton is not None:
                  for bk, bv, warps, stages in CONFIGS],
         key=["H", "K", "V"],
         reset_to_zero=["dg"],  # a narrower key block tried first would leave its slots in the sum
-    )(_dqkwg_kernel)
+    )(_chunk_dqkwg_kernel)
 
 
 def chunk_dqkwg(q, k, v_new, w, g, h, do, dh, dv, scale: float, config=None):
@@ -149,6 +151,6 @@ def chunk_dqkwg(q, k, v_new, w, g, h, do, dh, dv, scale: float, config=None):
         _dqkwg_tuned[lambda meta: (key_dim // meta["BK"], chunks, batch * heads)](*args, **constants)
     else:
         block_k, block_v, warps, stages = config
-        _dqkwg_kernel[(key_dim // block_k, chunks, batch * heads)](*args, **constants, BK=block_k, BV=block_v,
+        _chunk_dqkwg_kernel[(key_dim // block_k, chunks, batch * heads)](*args, **constants, BK=block_k, BV=block_v,
                                                                    STAGES=stages, num_warps=warps)
     return dq, dk, dw, dg.sum(0)
