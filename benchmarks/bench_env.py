@@ -1,4 +1,4 @@
-"""Versions of the packages a benchmark result depends on, written next to every number."""
+"""Versions of the packages a benchmark result depends on, written next to every number; shared inputs."""
 
 from __future__ import annotations
 
@@ -67,3 +67,19 @@ def emit_markdown(lines: list[str], out=None) -> str:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text)
     return text
+
+
+def gdn_chunk_inputs(batch: int, seq_len: int, heads: int, key_dim: int, value_dim: int, seed: int = 0):
+    """GDN chunk-kernel inputs on the GPU, as FLA's kernels see them: q, k (unit rows), w, u, do, dv (bf16) and g
+    (FLA's chunk-local cumulative log2 gate, fp32)."""
+    import torch.nn.functional as F
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    torch.manual_seed(seed)
+    q = F.normalize(torch.randn(batch, seq_len, heads, key_dim, device="cuda"), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(batch, seq_len, heads, key_dim, device="cuda"), dim=-1).bfloat16()
+    w = (torch.randn(batch, seq_len, heads, key_dim, device="cuda") * 0.05).bfloat16()
+    u, do, dv = (torch.randn(batch, seq_len, heads, value_dim, device="cuda").bfloat16() for _ in range(3))
+    g = chunk_local_cumsum(-torch.rand(batch, seq_len, heads, device="cuda") * 0.1, chunk_size=64, scale=RCP_LN2)
+    return q, k, w, u, do, dv, g

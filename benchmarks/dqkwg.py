@@ -14,28 +14,19 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_muon from this checkout
 
-from bench_env import package_versions  # noqa: E402
+from bench_env import gdn_chunk_inputs, package_versions  # noqa: E402
 
 B, T, H, K, V = 1, 16384, 6, 256, 512
 
 
 def hybrid_inputs():
     """q, k, v_new, w, g, h, do, dh, dv with realistic states from our chunk-state kernels."""
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
-
     from megatron_muon.ops import state_tma
 
-    torch.manual_seed(0)
-    q = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    w = (torch.randn(B, T, H, K, device="cuda") * 0.05).bfloat16()
-    u, do, dv = (torch.randn(B, T, H, V, device="cuda").bfloat16() for _ in range(3))
-    g = chunk_local_cumsum(-torch.rand(B, T, H, device="cuda") * 0.1, chunk_size=64, scale=RCP_LN2)
+    q, k, w, u, do, dv, g = gdn_chunk_inputs(B, T, H, K, V)
     h, v_new, _ = state_tma.chunk_fwd_h(k, w, u, g)
     dh, _, dv2 = state_tma.chunk_dhu(q, k, w, g, do, dv, K**-0.5)
     return q, k, v_new, w, g, h, do, dh, dv2

@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_muon from this checkout
+
+from bench_env import gdn_chunk_inputs  # noqa: E402
 
 B, T, H, K, V = 1, 16384, 6, 256, 512
 KEY = ["H", "HV", "K", "V", "BT", "STATE_V_FIRST"]
@@ -41,16 +42,9 @@ def rewrap(heuristics, configs):
 def main() -> None:
     import triton
     from fla.ops.common import chunk_delta_h as m
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
     from triton.testing import do_bench
 
-    torch.manual_seed(0)
-    q = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    w = (torch.randn(B, T, H, K, device="cuda") * 0.05).bfloat16()
-    u, do, dv = (torch.randn(B, T, H, V, device="cuda").bfloat16() for _ in range(3))
-    g = chunk_local_cumsum(-torch.rand(B, T, H, device="cuda") * 0.1, chunk_size=64, scale=RCP_LN2)
+    q, k, w, u, do, dv, g = gdn_chunk_inputs(B, T, H, K, V)
 
     def bwd():
         return m.chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g, h0=None, dht=None, do=do, dv=dv, scale=K**-0.5,

@@ -82,6 +82,33 @@ if triton is not None:
         return base + (i_b * NT + i_t) * H * V * K - i_b * H * V * K + state + j * KS
 
     @triton.jit
+    def _load_slices(src, state, LOAD: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr):
+        """The four [BV, KS] fp32 key slices of a [V, K] state at `src + state` (zeros past K, or all zeros
+        unless LOAD)."""
+        s0 = tl.zeros([BV, KS], dtype=tl.float32)
+        s1 = tl.zeros([BV, KS], dtype=tl.float32)
+        s2 = tl.zeros([BV, KS], dtype=tl.float32)
+        s3 = tl.zeros([BV, KS], dtype=tl.float32)
+        if LOAD:
+            s0 += tl.load(src + state).to(tl.float32)
+            if K > 64:
+                s1 += tl.load(src + state + KS).to(tl.float32)
+            if K > 128:
+                s2 += tl.load(src + state + 2 * KS).to(tl.float32)
+                s3 += tl.load(src + state + 3 * KS).to(tl.float32)
+        return s0, s1, s2, s3
+
+    @triton.jit
+    def _store_slices(dst, state, s0, s1, s2, s3, K: tl.constexpr, KS: tl.constexpr):
+        """Store the key slices that K covers, as `_load_slices` reads them."""
+        tl.store(dst + state, s0)
+        if K > 64:
+            tl.store(dst + state + KS, s1)
+        if K > 128:
+            tl.store(dst + state + 2 * KS, s2)
+            tl.store(dst + state + 3 * KS, s3)
+
+    @triton.jit
     def _chunk_state_fwd_kernel(
         k_desc, w_desc, u_desc, g, h0, h, v_new, ht, T, NT,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
@@ -95,17 +122,7 @@ if triton is not None:
         i_b, i_h = i_bh // H, i_bh % H
         o_v = i_v * BV + tl.arange(0, BV)
         state = (i_bh * V + o_v[:, None]) * K + tl.arange(0, KS)[None, :]  # slice 0 of a [B, H, V, K] state
-        b_h0 = tl.zeros([BV, KS], dtype=tl.float32)
-        b_h1 = tl.zeros([BV, KS], dtype=tl.float32)
-        b_h2 = tl.zeros([BV, KS], dtype=tl.float32)
-        b_h3 = tl.zeros([BV, KS], dtype=tl.float32)
-        if USE_INITIAL_STATE:
-            b_h0 += tl.load(h0 + state).to(tl.float32)
-            if K > 64:
-                b_h1 += tl.load(h0 + state + KS).to(tl.float32)
-            if K > 128:
-                b_h2 += tl.load(h0 + state + 2 * KS).to(tl.float32)
-                b_h3 += tl.load(h0 + state + 3 * KS).to(tl.float32)
+        b_h0, b_h1, b_h2, b_h3 = _load_slices(h0, state, USE_INITIAL_STATE, K, BV, KS)
         column = (i_h * K).to(tl.int32)
         for i_t in tl.range(0, NT, num_stages=STAGES):
             t0 = i_t * BT
@@ -137,12 +154,7 @@ if triton is not None:
                 b_h2 = b_h2 * decay + tl.dot(b_vt, k_desc.load([batch, t0, column + 2 * KS]).reshape(BT, KS))
                 b_h3 = b_h3 * decay + tl.dot(b_vt, k_desc.load([batch, t0, column + 3 * KS]).reshape(BT, KS))
         if STORE_FINAL_STATE:
-            tl.store(ht + state, b_h0)
-            if K > 64:
-                tl.store(ht + state + KS, b_h1)
-            if K > 128:
-                tl.store(ht + state + 2 * KS, b_h2)
-                tl.store(ht + state + 3 * KS, b_h3)
+            _store_slices(ht, state, b_h0, b_h1, b_h2, b_h3, K, KS)
 
     @triton.jit
     def _dh_slice_update(b_dh, q_desc, w_desc, where, b_do_gated_t, b_dv2t, decay, scale, BT: tl.constexpr,
@@ -165,17 +177,7 @@ if triton is not None:
         i_b, i_h = i_bh // H, i_bh % H
         o_v = i_v * BV + tl.arange(0, BV)
         state = (i_bh * V + o_v[:, None]) * K + tl.arange(0, KS)[None, :]  # slice 0 of a [B, H, V, K] state
-        b_dh0 = tl.zeros([BV, KS], dtype=tl.float32)
-        b_dh1 = tl.zeros([BV, KS], dtype=tl.float32)
-        b_dh2 = tl.zeros([BV, KS], dtype=tl.float32)
-        b_dh3 = tl.zeros([BV, KS], dtype=tl.float32)
-        if USE_FINAL_STATE_GRADIENT:
-            b_dh0 += tl.load(dht + state).to(tl.float32)
-            if K > 64:
-                b_dh1 += tl.load(dht + state + KS).to(tl.float32)
-            if K > 128:
-                b_dh2 += tl.load(dht + state + 2 * KS).to(tl.float32)
-                b_dh3 += tl.load(dht + state + 3 * KS).to(tl.float32)
+        b_dh0, b_dh1, b_dh2, b_dh3 = _load_slices(dht, state, USE_FINAL_STATE_GRADIENT, K, BV, KS)
         column = (i_h * K).to(tl.int32)
         for i in tl.range(0, NT, num_stages=STAGES):
             i_t = NT - 1 - i
@@ -216,12 +218,7 @@ if triton is not None:
                 b_dh3 = _dh_slice_update(b_dh3, q_desc, w_desc, [batch, t0, column + 3 * KS], b_do_gated_t, b_dv2t,
                                          decay, scale, BT, KS)
         if USE_INITIAL_STATE:
-            tl.store(dh0 + state, b_dh0)
-            if K > 64:
-                tl.store(dh0 + state + KS, b_dh1)
-            if K > 128:
-                tl.store(dh0 + state + 2 * KS, b_dh2)
-                tl.store(dh0 + state + 3 * KS, b_dh3)
+            _store_slices(dh0, state, b_dh0, b_dh1, b_dh2, b_dh3, K, KS)
 
 
 # (BV, warps, stages): every entry compiles for sm90 within the H200's 227 KiB of shared memory per block at key dim
