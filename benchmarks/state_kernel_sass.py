@@ -1,0 +1,118 @@
+"""Instruction mix of one chunk iteration of the GDN chunk-state kernels (ours and FLA's forward), compiled for sm90
+on any machine (no GPU needed): Triton's own ptxas and nvdisasm, pointers and lengths specialized as at run time.
+
+The recurrences are latency-bound (benchmarks/results/fla_state_kernels_tma.md), so what one chunk iteration
+waits on (block barriers, TMA waits, shared-memory round trips) matters more than its tensor work.
+
+    python benchmarks/state_kernel_sass.py      # FLA's row needs flash-linear-attention importable
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_muon from this checkout
+
+OPS = ("BAR", "SYNCS", "HMMA", "HGMMA", "LDSM", "STSM", "LDS", "STS", "STG")
+KEY_TILE = "tensordesc<bf16[1,64,64]>"  # the 64-column key slices our kernels stream
+
+
+def disassemble(fn, signature: dict, constants: dict, warps: int, stages: int | None = None) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+             if signature[name].startswith("*") or name in ("T", "NT")}
+    options = {"num_warps": warps} | ({"num_stages": stages} if stages else {})
+    kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=options)
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
+        cubin.write(kernel.asm["cubin"])
+    try:
+        return subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(cubin.name)
+
+
+def longest_loop(sass: str) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the longest backward-branching loop: the chunk loop."""
+    lines = sass.splitlines()
+    labels = {line.strip()[:-1]: i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:$", line.strip())}
+    best = (0, collections.Counter())
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), i) < i:
+            body = lines[labels[target.group(1)]:i + 1]
+            opcodes = [m.group(1) for m in (re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", b) for b in body)
+                       if m]
+            best = max(best, (len(opcodes), collections.Counter(opcodes)), key=lambda pair: pair[0])
+    return best
+
+
+def ours_forward(block_v: int, warps: int, stages: int) -> str:
+    from megatron_muon.ops import state_tma
+
+    signature = {"k_desc": KEY_TILE, "w_desc": KEY_TILE, "u_desc": f"tensordesc<bf16[1,64,{block_v}]>",
+                 "g": "*fp32", "h0": "*fp32", "h": "*bf16", "v_new": "*bf16", "ht": "*fp32", "T": "i32", "NT": "i32"}
+    constants = dict(H=6, K=256, V=512, BT=64, BV=block_v, STAGES=stages, USE_INITIAL_STATE=False,
+                     STORE_FINAL_STATE=False)
+    return disassemble(state_tma._chunk_state_fwd_kernel, signature | dict.fromkeys(constants, "constexpr"),
+                       constants, warps)
+
+
+def ours_backward(block_v: int, warps: int, stages: int) -> str:
+    from megatron_muon.ops import state_tma
+
+    value_tile = f"tensordesc<bf16[1,64,{block_v}]>"
+    signature = {"q_desc": KEY_TILE, "k_desc": KEY_TILE, "w_desc": KEY_TILE, "do_desc": value_tile,
+                 "dv_desc": value_tile, "g": "*fp32", "dht": "*fp32", "dh": "*bf16", "dv2": "*bf16", "dh0": "*fp32",
+                 "scale": "fp32", "T": "i32", "NT": "i32"}
+    constants = dict(H=6, K=256, V=512, BT=64, BV=block_v, STAGES=stages, USE_FINAL_STATE_GRADIENT=False,
+                     USE_INITIAL_STATE=False)
+    return disassemble(state_tma._chunk_state_bwd_kernel, signature | dict.fromkeys(constants, "constexpr"),
+                       constants, warps)
+
+
+def flas_forward(block_v: int, warps: int, stages: int) -> str:
+    import fla.ops.common.chunk_delta_h as chunk_delta_h
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    kernel = chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64
+    while isinstance(kernel, (Autotuner, Heuristics)):
+        kernel = kernel.fn
+    signature = {"k": "*bf16", "v": "*bf16", "w": "*bf16", "v_new": "*bf16", "g": "*fp32", "gk": "constexpr",
+                 "h": "*bf16", "h0": "constexpr", "ht": "constexpr", "cu_seqlens": "constexpr",
+                 "chunk_offsets": "constexpr", "T": "i32"}
+    constants = dict(gk=None, h0=None, ht=None, cu_seqlens=None, chunk_offsets=None, H=6, HV=6, K=256, V=512, BT=64,
+                     BV=block_v, USE_G=True, USE_GK=False, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False,
+                     SAVE_NEW_VALUE=True, STATE_V_FIRST=True, IS_VARLEN=False)
+    signature |= {name: "constexpr" for name in constants if name not in signature}
+    return disassemble(kernel, signature, constants, warps, stages)
+
+
+def row(label: str, sass: str) -> str:
+    count, opcodes = longest_loop(sass)
+    return f"| {label} | {count} | " + " | ".join(str(opcodes[op]) for op in OPS) + " |"
+
+
+def main() -> None:
+    print("| kernel (BV / warps / stages) | instructions | " + " | ".join(OPS) + " |")
+    print("|---|---:|" + "---:|" * len(OPS))
+    print(row("ours forward 32/4/3", ours_forward(32, 4, 3)))
+    print(row("ours backward 32/8/2", ours_backward(32, 8, 2)))
+    try:
+        print(row("FLA forward 32/4/3", flas_forward(32, 4, 3)))
+    except ImportError as error:
+        print(f"FLA's forward left out: {error}")
+
+
+if __name__ == "__main__":
+    main()
