@@ -127,11 +127,16 @@ if triton is not None:
         tl.store(dk + rows_k, b_dk.to(dk.dtype.element_ty), mask=inside[:, None])
         tl.store(dg + i_k * (tl.num_programs(2) * T).to(tl.int64) + key_rows, b_dg, mask=inside)
 
+    def _fitting_tiles(configs, named_args, **kwargs):
+        """The tiles whose key block fits the key dim: a wider one would launch no program at all."""
+        return [c for c in configs if c.kwargs["BK"] <= kwargs["K"]]
+
     _dqkwg_tuned = triton.autotune(
         configs=[triton.Config({"BK": bk, "BV": bv, "STAGES": stages}, num_warps=warps)
                  for bk, bv, warps, stages in CONFIGS],
         key=["H", "K", "V"],
         reset_to_zero=["dg"],  # a narrower key block tried first would leave its slots in the sum
+        prune_configs_by={"early_config_prune": _fitting_tiles},
     )(_chunk_dqkwg_kernel)
 
 
@@ -151,6 +156,9 @@ def chunk_dqkwg(q, k, v_new, w, g, h, do, dh, dv, scale: float, config=None):
         _dqkwg_tuned[lambda meta: (key_dim // meta["BK"], chunks, batch * heads)](*args, **constants)
     else:
         block_k, block_v, warps, stages = config
+        if key_dim % block_k or value_dim % block_v:
+            raise ValueError(f"tile {config} does not divide key dim {key_dim} and value dim {value_dim}; pick key "
+                             "and value blocks that do (dqkwg.CONFIGS lists the tiles)")
         _chunk_dqkwg_kernel[(key_dim // block_k, chunks, batch * heads)](*args, **constants, BK=block_k, BV=block_v,
                                                                    STAGES=stages, num_warps=warps)
     return dq, dk, dw, dg.sum(0)

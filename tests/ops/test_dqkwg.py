@@ -65,3 +65,21 @@ def test_output_gradients_equal_flas_kernel_at_the_hybrid_shape(config):
             reference = chunk_output_grads_reference(*(t.cpu() for t in inputs), scale)
             for got, theirs, want in zip(ours, fla, reference):
                 assert _relative(got.cpu(), want) < 2 * _relative(theirs.cpu(), want) + 1e-3
+
+
+@pytest.mark.skipif(dqkwg.triton is None, reason="needs Triton")
+def test_the_autotuner_only_tries_key_blocks_that_fit_the_key_dim():
+    """A 128-row key block at key dim 64 would launch no program and leave dq, dk and dw unwritten."""
+    configs = dqkwg._dqkwg_tuned.configs
+    assert dqkwg._dqkwg_tuned.early_config_prune is dqkwg._fitting_tiles
+    assert {c.kwargs["BK"] for c in configs} == {64, 128}
+    assert all(c.kwargs["BK"] == 64 for c in dqkwg._fitting_tiles(configs, {}, K=64))
+    assert dqkwg._fitting_tiles(configs, {}, K=256) == configs
+
+
+def test_a_pinned_tile_that_does_not_divide_the_dims_names_the_fix():
+    q = torch.zeros(1, 64, 1, 64, dtype=torch.float16)
+    v = torch.zeros(1, 64, 1, 128, dtype=torch.float16)
+    h = torch.zeros(1, 1, 1, 128, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="CONFIGS"):
+        dqkwg.chunk_dqkwg(q, q, v, q, torch.zeros(1, 64, 1), h, v, h, v, 0.125, config=(128, 64, 8, 2))
