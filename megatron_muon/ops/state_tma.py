@@ -35,9 +35,12 @@ except ImportError:  # the caller keeps FLA's kernels
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
 KEY_SLICE = 64  # the kernels keep the state in [BV, 64] key slices (key dims 64, 128 or 256)
+
+
 def qualifies(key_side: list, value_side: list, g, cu_seqlens, chunk_size: int) -> bool:
     """Dense [B, T, H, K] key-side and [B, T, H, V] value-side bf16/fp16 tensors on an sm90+ GPU (or the
-    interpreter), one value head per key head, contiguous (TMA-able)."""
+    interpreter), one value head per key head, contiguous (TMA-able), with V a multiple of the default tiles' value
+    blocks."""
     first = key_side[0]
     on_device = first.is_cuda and torch.cuda.get_device_capability(first.device)[0] >= 9
     if triton is None or not (on_device or (_INTERPRETING and first.device.type == "cpu")):
@@ -52,7 +55,7 @@ def qualifies(key_side: list, value_side: list, g, cu_seqlens, chunk_size: int) 
         and all(t.dtype == first.dtype for t in tensors)
         and first.dtype in (torch.bfloat16, torch.float16)
         and first.shape[-1] in (64, 128, 256)
-        and value_dim % 16 == 0
+        and value_dim % _default_value_block() == 0
         and all(t.is_contiguous() for t in tensors)
     )
 
@@ -230,6 +233,11 @@ if triton is not None:
 FORWARD_CONFIGS = [(32, 4, 3), (32, 8, 3), (32, 8, 2), (32, 4, 4), (16, 4, 3), (16, 4, 2), (64, 8, 2)]
 BACKWARD_CONFIGS = [(32, 8, 2), (32, 8, 3), (16, 4, 2), (16, 4, 3), (16, 8, 2), (32, 4, 2), (64, 8, 1)]
 _INTERPRETER_CONFIG = (16, 4, 1)
+
+
+def _default_value_block() -> int:
+    """The widest value block among the tiles the kernels use unless pinned (each table's first entry)."""
+    return _INTERPRETER_CONFIG[0] if _INTERPRETING else max(FORWARD_CONFIGS[0][0], BACKWARD_CONFIGS[0][0])
 
 
 def _descriptor(t: torch.Tensor, block_cols: int):

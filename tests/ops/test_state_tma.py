@@ -165,3 +165,14 @@ def test_an_unknown_kernel_choice_names_the_valid_ones(monkeypatch):
     monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fast")
     with pytest.raises(ValueError, match="valid choices"):
         fla_backend.ours_enabled()
+
+
+def test_value_dims_the_default_tiles_do_not_divide_stay_on_fla(monkeypatch):
+    """Qualifying means the default tiles divide V: a value dim of 48 would otherwise fail inside the op."""
+    monkeypatch.setattr(state_tma, "_INTERPRETING", True)
+    monkeypatch.setattr(state_tma, "_INTERPRETER_CONFIG", (32, 4, 1))
+    key = torch.zeros(1, 64, 1, 64, dtype=torch.float16)
+    gates = torch.zeros(1, 64, 1)
+    for value_dim, expected in ((64, True), (48, False)):
+        value = torch.zeros(1, 64, 1, value_dim, dtype=torch.float16)
+        assert state_tma.qualifies([key, key], [value], gates, None, 64) == expected
