@@ -38,11 +38,11 @@ KEY_SLICE = 64  # the kernels keep the state in [BV, 64] key slices (key dims 64
 
 
 def qualifies(key_side: list, value_side: list, g, cu_seqlens, chunk_size: int) -> bool:
-    """Dense [B, T, H, K] key-side and [B, T, H, V] value-side bf16/fp16 tensors on an sm90+ GPU (or the
+    """Dense [B, T, H, K] key-side and [B, T, H, V] value-side bf16/fp16 tensors on an sm90 GPU (or the
     interpreter), one value head per key head, contiguous (TMA-able), with V a multiple of the default tiles' value
     blocks."""
     first = key_side[0]
-    on_device = first.is_cuda and torch.cuda.get_device_capability(first.device)[0] >= 9
+    on_device = first.is_cuda and torch.cuda.get_device_capability(first.device)[0] == 9
     if triton is None or not (on_device or (_INTERPRETING and first.device.type == "cpu")):
         return False
     if cu_seqlens is not None or chunk_size != CHUNK or g is None or first.dim() != 4:
