@@ -4,6 +4,8 @@ We call FLA's kernel launchers directly (not its autograd.Functions, which are w
 ``torch.compiler.disable``) so that our custom ops own autograd and the compiled graph never breaks, and so the
 forward can hand its chunk states to the backward instead of recomputing them. FLA's own
 dispatch picks TileLang for the gated backward on Hopper when the fla-tilelang backend was selected.
+On Hopper, where the inputs qualify, three of those kernels are ours instead (`ours_enabled`): the chunk-state
+recurrences (`state_tma`) and the chunk output gradients (`dqkwg`).
 Imports are lazy: this module is only touched when a CUDA op runs with an FLA backend.
 """
 
@@ -92,6 +94,12 @@ def _on_state_tma(key_side, value_side, g_cumsum, cu_seqlens) -> bool:
                                                                      CHUNK_SIZE)
 
 
+def _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens) -> bool:
+    """Whether the chunk output gradients run on our kernel for these inputs."""
+    return STATE_V_FIRST and ours_enabled() and dqkwg.qualifies(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens,
+                                                                 CHUNK_SIZE)
+
+
 def _forward_states(k, w, u, g_cumsum, initial_state, output_final_state, cu_seqlens, chunk_indices):
     """(per-chunk states h, v_new, final state) from FLA's forward state kernel or, where enabled, ours."""
     if _on_state_tma([k, w], [u], g_cumsum, cu_seqlens):
@@ -146,8 +154,7 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
                 q=q, k=k, w=w, g=g_cumsum, h0=h0, dht=dht, do=do, dv=dv, scale=scale, state_v_first=STATE_V_FIRST,
                 chunk_size=CHUNK_SIZE, **common,
             )
-        if STATE_V_FIRST and ours_enabled() and dqkwg.qualifies(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens,
-                                                                CHUNK_SIZE):
+        if _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens):
             dq, dk, dw, dg = dqkwg.chunk_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, scale)
         else:
             dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,

@@ -1,6 +1,7 @@
 """The TMA chunk-state kernels: the fp32 recurrences on CPU through the interpreter, FLA's kernels on the GPU; and
 the two references checked against each other by autograd. Also the GDN op on all of our chunk kernels."""
 
+import types
 from pathlib import Path
 
 import pytest
@@ -178,21 +179,20 @@ def test_value_dims_the_default_tiles_do_not_divide_stay_on_fla(monkeypatch):
         assert state_tma.qualifies([key, key], [value], gates, None, 64) == expected
 
 
+def _as_if_on_gpu(tensor):
+    """A stand-in that reports a CUDA device and otherwise answers as `tensor` does (what `qualifies` reads)."""
+    return types.SimpleNamespace(is_cuda=True, device="cuda:0", dim=tensor.dim, shape=tensor.shape,
+                                 dtype=tensor.dtype, is_contiguous=tensor.is_contiguous)
+
+
 @pytest.mark.parametrize("capability, expected", [((9, 0), True), ((10, 0), False), ((8, 0), False)])
 def test_only_hopper_gpus_qualify(monkeypatch, capability, expected):
     """The kernels are measured and tested on sm90 only; other GPUs keep FLA's (its Blackwell path differs)."""
-    class OnGpu:
-        is_cuda, device = True, "cuda:0"
-
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     key = torch.zeros(1, 64, 1, 64, dtype=torch.float16)
     value = torch.zeros(1, 64, 1, 64, dtype=torch.float16)
-    on_gpu = OnGpu()
-    on_gpu.dim, on_gpu.shape, on_gpu.dtype = key.dim, key.shape, key.dtype
-    on_gpu.is_contiguous = key.is_contiguous
-    assert state_tma.qualifies([on_gpu, key], [value], torch.zeros(1, 64, 1), None, 64) == expected
+    assert state_tma.qualifies([_as_if_on_gpu(key), key], [value], torch.zeros(1, 64, 1), None, 64) == expected
     q, h = torch.zeros(1, 64, 1, 64, dtype=torch.float16), torch.zeros(1, 1, 1, 128, 64, dtype=torch.float16)
     v = torch.zeros(1, 64, 1, 128, dtype=torch.float16)
-    on_gpu_q = OnGpu()
-    on_gpu_q.dim, on_gpu_q.shape, on_gpu_q.dtype, on_gpu_q.is_contiguous = q.dim, q.shape, q.dtype, q.is_contiguous
+    on_gpu_q = _as_if_on_gpu(q)
     assert dqkwg.qualifies(on_gpu_q, q, v, q, torch.zeros(1, 64, 1), h, v, h, v, None, 64) == expected
