@@ -2,7 +2,9 @@
 
 - ``fla-triton``: FLA's Triton kernels, where they are correct (not Hopper, or Triton >= 3.7.1).
 - ``fla-tilelang``: FLA with its TileLang backward (FLA routes the gated ``chunk_bwd_dqkwg`` to TileLang on Hopper);
-  required on Hopper with Triton 3.4 - 3.7.0, where Triton miscompiles that backward (FLA issue #640).
+  chosen when TileLang is there. On Hopper with Triton 3.4 - 3.7.0, where Triton miscompiles that backward (FLA
+  issue #640), ``fla-triton`` is still correct for dense equal-length batches because our own kernel
+  (``ops/dqkwg.py``) replaces the miscompiled one; packed sequences need TileLang there, and FLA says so.
 - ``torch``: the pure-torch chunked implementation; always used for CPU tensors, on CUDA only when asked for.
 
 ``MEGATRON_MUON_GDN_BACKEND`` (auto | fla-triton | fla-tilelang | torch) or ``set_backend`` overrides the automatic
@@ -109,11 +111,19 @@ def _choose(hw: Hardware) -> str:
             raise RuntimeError(_tilelang_missing_message(hw))
         return "fla-tilelang"
     if not hw.fla_triton_correct:
-        raise RuntimeError(
-            f"FLA's Triton GDN backward is known to be wrong on {hw.device_name} (Hopper) with Triton "
-            f"{hw.triton_version} (fixed in Triton 3.7.1; FLA issue #640), so it is not used. "
-            + _tilelang_missing_message(hw)
-        )
+        from megatron_muon.ops.fla_backend import KERNELS_ENV_VAR, ours_enabled
+
+        if not ours_enabled():
+            raise RuntimeError(
+                f"FLA's Triton GDN backward is known to be wrong on {hw.device_name} (Hopper) with Triton "
+                f"{hw.triton_version} (fixed in Triton 3.7.1; FLA issue #640), and {KERNELS_ENV_VAR}=fla keeps it "
+                "in place of ours. Unset it, or " + _tilelang_missing_message(hw)
+            )
+        _logger.warning(
+            "megatron_muon GDN ops: FLA's Triton backward miscompiles one kernel on %s with Triton %s (FLA issue "
+            "#640); ours replaces it for dense equal-length batches. Packed sequences (cu_seqlens) still need "
+            "TileLang (`pip install tilelang==0.1.15`) or Triton >= 3.7.1; FLA stops them with that message.",
+            hw.device_name, hw.triton_version)
     if tilelang:
         # FLA would route the backward to TileLang on its own; the user asked for Triton explicitly.
         os.environ["FLA_TILELANG"] = "0"

@@ -5,7 +5,7 @@ from importlib import metadata
 import pytest
 from packaging.version import Version
 
-from megatron_muon.ops import backend
+from megatron_muon.ops import backend, fla_backend
 from megatron_muon.ops.backend import Hardware
 
 
@@ -16,7 +16,8 @@ def _hw(capability, triton):
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     monkeypatch.delenv(backend.BACKEND_ENV_VAR, raising=False)
-    monkeypatch.delenv("FLA_TILELANG", raising=False)
+    monkeypatch.setenv("FLA_TILELANG", "")  # recorded, so what _choose writes there is undone after the test
+    monkeypatch.delenv("FLA_TILELANG")
     monkeypatch.setattr(backend, "_require_fla", lambda hw: None)
     monkeypatch.setattr(backend, "_selected", None)
     monkeypatch.setattr(backend, "_requested", None)
@@ -40,18 +41,32 @@ def test_hopper_with_miscompiling_triton_picks_tilelang(monkeypatch, triton):
     assert backend._choose(_hw((9, 0), triton)) == "fla-tilelang"
 
 
-def test_hopper_with_miscompiling_triton_and_no_tilelang_says_what_to_install(monkeypatch):
+def test_hopper_with_miscompiling_triton_and_no_tilelang_runs_triton_with_our_kernel(monkeypatch, caplog):
+    """Our output-gradient kernel replaces the miscompiled one, so dense batches need no TileLang; the warning
+    says what packed sequences still need."""
     _tilelang(monkeypatch, False)
-    with pytest.raises(RuntimeError, match=r"3\.7\.1.*pip install tilelang") as info:
+    monkeypatch.delenv(fla_backend.KERNELS_ENV_VAR, raising=False)
+    with caplog.at_level("WARNING", logger=backend.__name__):
+        assert backend._choose(_hw((9, 0), "3.6.0")) == "fla-triton"
+    assert "pip install tilelang" in caplog.text and "Packed sequences" in caplog.text
+
+
+def test_hopper_with_miscompiling_triton_without_our_kernels_says_what_to_install(monkeypatch):
+    _tilelang(monkeypatch, False)
+    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fla")
+    with pytest.raises(RuntimeError, match=r"3\.7\.1.*MEGATRON_MUON_GDN_KERNELS=fla.*pip install tilelang") as info:
         backend._choose(_hw((9, 0), "3.6.0"))
     assert f"{backend.BACKEND_ENV_VAR}=torch" in str(info.value)
 
 
-def test_forcing_triton_where_it_is_known_wrong_raises_even_with_tilelang(monkeypatch):
+def test_forcing_triton_where_it_is_known_wrong_raises_without_our_kernels(monkeypatch):
     _tilelang(monkeypatch, True)
     monkeypatch.setenv(backend.BACKEND_ENV_VAR, "fla-triton")
+    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fla")
     with pytest.raises(RuntimeError, match="known to be wrong"):
         backend._choose(_hw((9, 0), "3.6.0"))
+    monkeypatch.delenv(fla_backend.KERNELS_ENV_VAR)
+    assert backend._choose(_hw((9, 0), "3.6.0")) == "fla-triton"
 
 
 @pytest.mark.parametrize("capability, triton", [((9, 0), "3.7.1"), ((8, 0), "3.6.0"), ((10, 0), "3.6.0"),
