@@ -42,7 +42,10 @@ def test_selected_backend_is_a_correct_fast_one(restore_backend):
     name = backend.selected_backend()
     assert name in ("fla-triton", "fla-tilelang")
     if not backend.hardware().fla_triton_correct:
-        assert name == "fla-tilelang", f"{backend.hardware()} needs the TileLang backward"
+        # Where Triton miscompiles FLA's output-gradient kernel, TileLang takes it when installed; without TileLang
+        # our own kernel replaces it and FLA's Triton path is correct for dense batches.
+        expected = "fla-tilelang" if backend._fla_will_use_tilelang() else "fla-triton"
+        assert name == expected, f"{backend.hardware()}: expected {expected}"
 
 
 @pytest.mark.parametrize(
