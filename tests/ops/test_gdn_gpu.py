@@ -69,6 +69,11 @@ def test_fla_gdn_matches_torch_backend(restore_backend, seq_len, keep_states, wi
     fast_name = backend.selected_backend()
     do = torch.randn_like(v, dtype=torch.float32)
     dht = torch.randn(num_states, HEADS, KEY_DIM, VALUE_DIM, device="cuda")
+    if varlen and not backend.hardware().fla_triton_correct and not backend._fla_will_use_tilelang():
+        # Our output-gradient kernel covers dense batches only; FLA stops packed ones and says what to install.
+        with pytest.raises(RuntimeError, match=r"3\.7\.1.*tilelang"):
+            _both_backends(run, (q, k, v, g, beta, h0), (do, dht))
+        return
     (fast, fast_grads), (ref, ref_grads) = _both_backends(run, (q, k, v, g, beta, h0), (do, dht))
     pairs = [("o", ref[0], fast[0]), ("ht", ref[1], fast[1])]
     names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
