@@ -4,7 +4,8 @@
 - ``fla-tilelang``: FLA with its TileLang backward (FLA routes the gated ``chunk_bwd_dqkwg`` to TileLang on Hopper);
   chosen when TileLang is there. On Hopper with Triton 3.4 - 3.7.0, where Triton miscompiles that backward (FLA
   issue #640), ``fla-triton`` is still correct for dense equal-length batches because our own kernel
-  (``ops/dqkwg.py``) replaces the miscompiled one; packed sequences need TileLang there, and FLA says so.
+  (``ops/dqkwg.py``) replaces the miscompiled one where ``dqkwg.qualifies``; packed sequences and other shapes need
+  TileLang there, and FLA raises and says so (before any gradient is applied).
 - ``torch``: the pure-torch chunked implementation; always used for CPU tensors, on CUDA only when asked for.
 
 ``MEGATRON_MUON_GDN_BACKEND`` (auto | fla-triton | fla-tilelang | torch) or ``set_backend`` overrides the automatic
@@ -121,8 +122,9 @@ def _choose(hw: Hardware) -> str:
             )
         _logger.warning(
             "megatron_muon GDN ops: FLA's Triton backward miscompiles one kernel on %s with Triton %s (FLA issue "
-            "#640); ours replaces it for dense equal-length batches. Packed sequences (cu_seqlens) still need "
-            "TileLang (`pip install tilelang==0.1.15`) or Triton >= 3.7.1; FLA stops them with that message.",
+            "#640); ours replaces it for dense equal-length batches with key dim 64, 128 or 256 and a value dim "
+            "that is a multiple of 128. Packed sequences (cu_seqlens) and other shapes still need TileLang "
+            "(`pip install tilelang==0.1.15`) or Triton >= 3.7.1; FLA stops them with that message.",
             hw.device_name, hw.triton_version)
     if tilelang:
         # FLA would route the backward to TileLang on its own; the user asked for Triton explicitly.
