@@ -12,9 +12,20 @@ patch_for_numpy_2_5()
 from megatron_muon.kernels import orthogonalize  # noqa: E402
 from megatron_muon.kernels.ops import TorchOps  # noqa: E402
 from megatron_muon.kernels.scaled_copy import scaled_copy  # noqa: E402
-from megatron_muon.kernels.symmetric import symmetric_matmul  # noqa: E402
+from megatron_muon.kernels.symmetric import _INTERPRET_CONFIG, symmetric_matmul  # noqa: E402
 from megatron_muon.megatron.clip_scale import BLOCK, scale_in_place  # noqa: E402
 from megatron_muon.megatron.main_grad_add import _triton_add  # noqa: E402
+
+
+def _assert_mirrored(out):
+    """Off-diagonal tiles are stored with their mirror, so those entries must equal their transposes exactly. A
+    diagonal tile's two halves are separate entries of one dot product, and the interpreter's dot is numpy's BLAS,
+    which need not sum every entry in the same order (numpy 2.5.5's does not for a transposed operand): there the
+    halves may differ in the last bit. The GPU test asserts exact symmetry on the hardware."""
+    tile = torch.arange(out.size(-1)) // _INTERPRET_CONFIG["BLOCK"]
+    off_diagonal = tile[:, None] != tile[None, :]
+    assert torch.equal(out[:, off_diagonal], out.mT[:, off_diagonal])
+    torch.testing.assert_close(out, out.mT, rtol=1e-3, atol=1e-5)
 
 
 def main():
@@ -26,11 +37,11 @@ def main():
         if tma and k % 8:  # TMA needs 16-byte row strides
             continue
         out = symmetric_matmul(X, X, tma=tma)
-        assert torch.equal(out, out.mT)
+        _assert_mirrored(out)
         torch.testing.assert_close(out.float(), TorchOps.sym_mm(X, X).float(), rtol=2e-3, atol=2e-3 * k**0.5)
         R = (TorchOps.sym_mm(X, X).float() / k).half()
         out = symmetric_matmul(R, R.clone(), R, alpha=2.0, beta=-3.0, tma=tma and m % 8 == 0)
-        assert torch.equal(out, out.mT)
+        _assert_mirrored(out)
         torch.testing.assert_close(out.float(), TorchOps.sym_mm(R, R, R, 2.0, -3.0).float(), rtol=2e-3, atol=2e-3)
     # the NS input pass: any source strides (a transposed view here), zero padding, bit-equal to torch
     sources = [(torch.randn(2, 70, 20, generator=g).mT, 128), (torch.randn(3, 20, 64, generator=g).bfloat16(), 64)]
