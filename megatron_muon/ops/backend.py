@@ -112,6 +112,7 @@ def _choose(hw: Hardware) -> str:
             raise RuntimeError(_tilelang_missing_message(hw))
         return "fla-tilelang"
     if not hw.fla_triton_correct:
+        from megatron_muon.ops.dqkwg import COVERAGE
         from megatron_muon.ops.fla_backend import KERNELS_ENV_VAR, ours_enabled
 
         if not ours_enabled():
@@ -122,10 +123,9 @@ def _choose(hw: Hardware) -> str:
             )
         _logger.warning(
             "megatron_muon GDN ops: FLA's Triton backward miscompiles one kernel on %s with Triton %s (FLA issue "
-            "#640); ours replaces it for dense equal-length batches with key dim 64, 128 or 256 and a value dim "
-            "that is a multiple of 128. Packed sequences (cu_seqlens) and other shapes still need TileLang "
+            "#640); ours replaces it for %s. Packed sequences (cu_seqlens) and other shapes still need TileLang "
             "(`pip install tilelang==0.1.15`) or Triton >= 3.7.1; FLA stops them with that message.",
-            hw.device_name, hw.triton_version)
+            hw.device_name, hw.triton_version, COVERAGE)
     if tilelang:
         # FLA would route the backward to TileLang on its own; the user asked for Triton explicitly.
         os.environ["FLA_TILELANG"] = "0"

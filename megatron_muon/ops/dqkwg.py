@@ -38,6 +38,10 @@ MIN_KEY_BLOCK = 64
 CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3),
            (64, 128, 8, 2), (64, 32, 4, 3)]
 _INTERPRETER_CONFIG = (64, 32, 4, 1)
+KEY_DIMS = (64, 128, 256)
+VALUE_DIM_MULTIPLE = 128  # the widest value block in CONFIGS
+COVERAGE = (f"dense equal-length batches with key dim {', '.join(map(str, KEY_DIMS))} and a value dim that is a "
+            f"multiple of {VALUE_DIM_MULTIPLE}")
 
 
 def qualifies(q, k, v_new, w, g, h, do, dh, dv, cu_seqlens, chunk_size: int) -> bool:
@@ -56,8 +60,8 @@ def qualifies(q, k, v_new, w, g, h, do, dh, dv, cu_seqlens, chunk_size: int) -> 
         and h.shape == dh.shape == (q.shape[0], -(-q.shape[1] // CHUNK), q.shape[2], value_dim, q.shape[3])
         and all(t.dtype == q.dtype for t in (*key_side, *value_side, h, dh))
         and q.dtype in (torch.bfloat16, torch.float16)
-        and q.shape[-1] in (64, 128, 256)
-        and value_dim % 128 == 0
+        and q.shape[-1] in KEY_DIMS
+        and value_dim % VALUE_DIM_MULTIPLE == 0
         and all(t.is_contiguous() for t in (*key_side, *value_side, h, dh, g))
     )
 
