@@ -102,8 +102,9 @@ def breakdown(optimizer: Muon, device, warmup: int, repeats: int) -> dict[str, f
     optimizer.step()  # builds the plan and the momentum buffers
     plan = optimizer._plan_cache[1]
     fused = fused_elementwise.use_fused(optimizer.fused_elementwise, device)
-    sources = optimizer._momentum_sources(plan.params, [p.grad for p in plan.params], plan.group_of, fused)
-    stack_all = lambda: [optimizer._stack_updates(b, plan, sources) for b in plan.buckets]  # noqa: E731
+    grads = [p.grad for p in plan.params]
+    sources = optimizer._momentum_sources(plan.params, grads, plan.group_of, fused, factor=None)
+    stack_all = lambda: [optimizer._stack_updates(b, plan, sources, None) for b in plan.buckets]  # noqa: E731
     stacks = stack_all()
     ns_all = lambda: [optimizer._orthogonalize_bucket(b, s, True) for b, s in zip(plan.buckets, stacks)]  # noqa: E731
     total = timed(optimizer.step, device, warmup, repeats)

@@ -1,0 +1,16 @@
+"""The optimizer-step benchmark runs end to end on CPU at a reduced scale, breakdown included."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_optimizer_step_benchmark_smoke(tmp_path):
+    out = tmp_path / "optimizer_step.md"
+    subprocess.run([sys.executable, str(BENCHMARKS / "optimizer_step.py"), "--scale", "32", "--warmup", "0",
+                    "--repeats", "1", "--only-ours", "--out", str(out)], check=True, cwd=BENCHMARKS.parent, timeout=300)
+    text = out.read_text()
+    assert "| ours (auto, MegaBatch, fused splits) |" in text
+    assert "| building the NS stacks" in text and "| Newton–Schulz (batched calls alone) |" in text
