@@ -12,7 +12,8 @@ patch_for_numpy_2_5()
 from megatron_muon.kernels import orthogonalize  # noqa: E402
 from megatron_muon.kernels.ops import TorchOps  # noqa: E402
 from megatron_muon.kernels.scaled_copy import scaled_copy  # noqa: E402
-from megatron_muon.kernels.symmetric import _INTERPRET_CONFIG, symmetric_matmul  # noqa: E402
+from megatron_muon.kernels.newton_schulz import _cast  # noqa: E402
+from megatron_muon.kernels.symmetric import _INTERPRET_CONFIG, TritonOps, symmetric_matmul  # noqa: E402
 from megatron_muon.megatron.clip_scale import BLOCK, scale_in_place  # noqa: E402
 from megatron_muon.megatron.main_grad_add import _triton_add  # noqa: E402
 
@@ -49,6 +50,10 @@ def main():
         norm = torch.linalg.vector_norm(source, dim=(-2, -1), keepdim=True, dtype=torch.float32)
         fast = scaled_copy(source, norm, torch.full((source.size(0), 20, width), 7.0, dtype=torch.float16))
         assert torch.equal(fast, TorchOps.scaled_copy(source, norm, torch.empty_like(fast)))
+    # orthogonalize's result cast (a unit norm): bit-equal to torch's cast, from a sliced transposed fp16 view. fp32
+    # only: the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even (the GPU test covers bf16).
+    result = torch.randn(2, 80, 24, generator=g).mul(3).half().mT[:, :, :70]
+    assert torch.equal(_cast(result, torch.float32, TritonOps), result.float())
     G = torch.randn(2, 24, 80, generator=g)
     for method in ("standard", "gram"):
         fast = orthogonalize(G, method=method, backend="triton")

@@ -63,6 +63,17 @@ def test_orthogonalize_same_with_either_input_pass():
         TritonOps.scaled_copy = triton_pass
 
 
+@gpu_test
+def test_result_cast_equals_torch_cast():
+    """orthogonalize's last pass (the input pass's kernel with a unit norm) rounds exactly as `.to()` does."""
+    from megatron_muon.kernels.newton_schulz import _cast
+    from megatron_muon.kernels.symmetric import TritonOps
+
+    result = (torch.randn(3, 2100, 600, device="cuda") * 4).half().mT[:, :550, :]  # sliced, transposed
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(_cast(result, dtype, TritonOps), result.to(dtype))
+
+
 def test_scaled_copy_rejects_mismatched_shapes():
     from megatron_muon.kernels.scaled_copy import scaled_copy
 
