@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_env import emit_markdown  # benchmarks/ is the script's directory
+
 NUMBER = re.compile(r"^-?\d+(?:\.\d+)?$")
 
 
@@ -110,11 +112,7 @@ def main(argv: list[str] | None = None) -> None:
              f"- {args.rounds} rounds, trees in this order each round: "
              + ", ".join(f"{name} = `{root}`" for name, root in args.trees),
              f"- command: `python benchmarks/alternate.py {' '.join(argv)}`", "", *summarize(names, runs)]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit_markdown(lines, args.out)
 
 
 if __name__ == "__main__":
