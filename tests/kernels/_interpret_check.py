@@ -33,15 +33,18 @@ def main():
     g = torch.Generator().manual_seed(0)
     # (1, 16, 16) and (2, 32, 48) divide the 16×16 tiles (the unmasked EVEN path); the others need masks.
     # tma=True: A and B through 3-D TMA descriptors (edges zero-filled per batch element); False: pointer loads.
-    for (batch, m, k), tma in itertools.product([(2, 40, 72), (1, 16, 16), (2, 32, 48), (3, 33, 5)], (False, True)):
+    # "persistent": TMA, with 3 programs looping over every tile of the batch (diagonal mirrors stored past M).
+    styles = (False, True, "persistent")
+    for (batch, m, k), style in itertools.product([(2, 40, 72), (1, 16, 16), (2, 32, 48), (3, 33, 5)], styles):
         X = torch.randn(batch, m, k, generator=g).half()
-        if tma and k % 8:  # TMA needs 16-byte row strides
+        tma, persistent = style is not False, style == "persistent"
+        if tma and (k % 8 or m % 8):  # TMA needs 16-byte row strides (the inputs' and the [b, m, m] result's)
             continue
-        out = symmetric_matmul(X, X, tma=tma)
+        out = symmetric_matmul(X, X, tma=tma, persistent=persistent)
         _assert_mirrored(out)
         torch.testing.assert_close(out.float(), TorchOps.sym_mm(X, X).float(), rtol=2e-3, atol=2e-3 * k**0.5)
         R = (TorchOps.sym_mm(X, X).float() / k).half()
-        out = symmetric_matmul(R, R.clone(), R, alpha=2.0, beta=-3.0, tma=tma and m % 8 == 0)
+        out = symmetric_matmul(R, R.clone(), R, alpha=2.0, beta=-3.0, tma=tma, persistent=persistent)
         _assert_mirrored(out)
         torch.testing.assert_close(out.float(), TorchOps.sym_mm(R, R, R, 2.0, -3.0).float(), rtol=2e-3, atol=2e-3)
     # the NS input pass: any source strides (a transposed view here), zero padding, bit-equal to torch
