@@ -203,7 +203,9 @@ def _tiles_divide(args) -> bool:
 
 
 _sym_mm_heuristic = triton.heuristics({"EVEN": _tiles_divide})(_sym_mm_kernel)
-_sym_mm_tuned = triton.autotune(configs=_configs(), key=["M", "K", "HAS_C", "LOADS"],
+# cache_results: the choices are kept in Triton's cache directory, so a restarted job skips benchmarking every
+# config per shape (benchmarks/results/first_call.md)
+_sym_mm_tuned = triton.autotune(configs=_configs(), key=["M", "K", "HAS_C", "LOADS"], cache_results=True,
                                 prune_configs_by={"early_config_prune": _allowed_loads})(_sym_mm_heuristic)
 _INTERPRET_CONFIG = {"BLOCK": 16, "BLOCK_K": 16}
 _INTERPRET_SMS = 3  # persistent programs under the interpreter: each loops over several tiles
