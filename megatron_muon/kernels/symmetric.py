@@ -27,8 +27,8 @@ from megatron_muon.kernels.ops import TorchOps
 
 @triton.jit
 def _lower_tile_coordinates(pid):
-    """Linear index over the lower-triangular tiles -> (row tile i, col tile j) with j <= i."""
-    i = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int64)
+    """Linear index over the lower-triangular tiles -> (row tile i, col tile j) with j <= i, in pid's int type."""
+    i = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(pid.dtype)
     # float rounding can land one off; correct both ways.
     i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
     i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)
@@ -38,11 +38,8 @@ def _lower_tile_coordinates(pid):
 @triton.jit
 def _batched_lower_tile(tile, per_matrix):
     """Linear tile index over a batch of lower triangles -> (batch element, row tile, col tile)."""
-    pid = tile % per_matrix
-    i = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
-    i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
-    i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)
-    return tile // per_matrix, i, pid - i * (i + 1) // 2
+    tile_i, tile_j = _lower_tile_coordinates(tile % per_matrix)
+    return tile // per_matrix, tile_i, tile_j
 
 
 @triton.jit
