@@ -113,6 +113,26 @@ def breakdown(optimizer: Muon, device, warmup: int, repeats: int) -> dict[str, f
     return {"step": total, "ns": ns, "stacking": stacking, "rest": total - ns - stacking, "elementwise": total - ns}
 
 
+@torch.no_grad()
+def ns_per_stack(optimizer: Muon, device, warmup: int, repeats: int) -> list[tuple[str, str, float]]:
+    """(stack [count, rows, cols], NS method, ms) for each batched orthogonalize call of a step, each timed alone:
+    which stacks the Newton–Schulz time goes to."""
+    from megatron_muon.kernels.newton_schulz import choose_method
+
+    plan = optimizer._plan_cache[1]
+    fused = fused_elementwise.use_fused(optimizer.fused_elementwise, device)
+    sources = optimizer._momentum_sources(plan.params, [p.grad for p in plan.params], plan.group_of, fused, None)
+    rows = []
+    for bucket in plan.buckets:
+        stacked = optimizer._stack_updates(bucket, plan, sources, None)
+        ms = timed(lambda: optimizer._orthogonalize_bucket(bucket, stacked, True), device, warmup, repeats)
+        method = optimizer.param_groups[bucket.group_index]["method"]
+        if method == "auto":
+            method = f"auto: {choose_method(*stacked.shape[-2:])}"
+        rows.append((" × ".join(map(str, stacked.shape)), method, ms))
+    return sorted(rows, key=lambda row: -row[2])
+
+
 class _PerPieceMuon(Muon):
     """Ours with one launch per piece for the fused elementwise passes (no `fused_pieces`): the same-run A/B."""
 
@@ -199,6 +219,8 @@ def main() -> None:
             p.data.copy_(saved)
         optimizer = Muon(matrices, lr=0.02, scale_mode="spectral", fused_elementwise=setting)
         parts[setting] = breakdown(optimizer, device, args.warmup, args.repeats)
+        if setting == "auto":
+            stacks = ns_per_stack(optimizer, device, args.warmup, args.repeats)
         del optimizer
         for key, ms in parts[setting].items():
             print(f"breakdown, fused elementwise {setting}: {BREAKDOWN_ROWS[key][:40]:40s} {ms:9.2f} ms", flush=True)
@@ -217,6 +239,10 @@ def main() -> None:
               "| part | fused elementwise: auto, ms | off, ms |", "|---|---:|---:|"]
     table += [f"| {label} | {parts['auto'][key]:.2f} | {parts[False][key]:.2f} |"
               for key, label in BREAKDOWN_ROWS.items()]
+    table += ["", "Newton–Schulz per stack (each batched call of one step timed alone, slowest first):", "",
+              "| stack (count × rows × cols) | method | ms |", "|---|---|---:|"]
+    table += [f"| {shape} | {method} | {ms:.2f} |" for shape, method, ms in stacks]
+    table += [f"| all stacks, summed | | {sum(ms for _, _, ms in stacks):.2f} |"]
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
     import triton
 

@@ -1,4 +1,4 @@
-"""The optimizer-step benchmark runs end to end on CPU at a reduced scale, breakdown included."""
+"""The optimizer-step benchmark runs end to end on CPU at a reduced scale, breakdown and per-stack NS included."""
 
 import subprocess
 import sys
@@ -14,3 +14,5 @@ def test_optimizer_step_benchmark_smoke(tmp_path):
     text = out.read_text()
     assert "| ours (auto, MegaBatch, fused splits) |" in text
     assert "| building the NS stacks" in text and "| Newton–Schulz (batched calls alone) |" in text
+    assert "| 24 × 352 × 64 | auto: gram |" in text  # fc1 (11264 × 2048 / 32) as one stack of 24
+    assert "| all stacks, summed |" in text
