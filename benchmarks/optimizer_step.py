@@ -100,11 +100,7 @@ def breakdown(optimizer: Muon, device, warmup: int, repeats: int) -> dict[str, f
     and the rest of the step. With the fused elementwise passes the momentum EMA moves from the rest into the
     stacking, and the weight decay into the updates; "everything but Newton–Schulz" compares across both."""
     optimizer.step()  # builds the plan and the momentum buffers
-    plan = optimizer._plan_cache[1]
-    fused = fused_elementwise.use_fused(optimizer.fused_elementwise, device)
-    grads = [p.grad for p in plan.params]
-    sources = optimizer._momentum_sources(plan.params, grads, plan.group_of, fused, factor=None)
-    stack_all = lambda: [optimizer._stack_updates(b, plan, sources, None) for b in plan.buckets]  # noqa: E731
+    plan, stack_all = _stack_builder(optimizer, device)
     stacks = stack_all()
     ns_all = lambda: [optimizer._orthogonalize_bucket(b, s, True) for b, s in zip(plan.buckets, stacks)]  # noqa: E731
     total = timed(optimizer.step, device, warmup, repeats)
@@ -113,18 +109,24 @@ def breakdown(optimizer: Muon, device, warmup: int, repeats: int) -> dict[str, f
     return {"step": total, "ns": ns, "stacking": stacking, "rest": total - ns - stacking, "elementwise": total - ns}
 
 
+def _stack_builder(optimizer: Muon, device):
+    """The step's plan, and a callable that builds every bucket's stacked NS input as the step does."""
+    plan = optimizer._plan_cache[1]
+    fused = fused_elementwise.use_fused(optimizer.fused_elementwise, device)
+    grads = [p.grad for p in plan.params]
+    sources = optimizer._momentum_sources(plan.params, grads, plan.group_of, fused, factor=None)
+    return plan, lambda: [optimizer._stack_updates(b, plan, sources, None) for b in plan.buckets]
+
+
 @torch.no_grad()
 def ns_per_stack(optimizer: Muon, device, warmup: int, repeats: int) -> list[tuple[str, str, float]]:
     """(stack [count, rows, cols], NS method, ms) for each batched orthogonalize call of a step, each timed alone:
     which stacks the Newton–Schulz time goes to."""
     from megatron_muon.kernels.newton_schulz import choose_method
 
-    plan = optimizer._plan_cache[1]
-    fused = fused_elementwise.use_fused(optimizer.fused_elementwise, device)
-    sources = optimizer._momentum_sources(plan.params, [p.grad for p in plan.params], plan.group_of, fused, None)
+    plan, stack_all = _stack_builder(optimizer, device)
     rows = []
-    for bucket in plan.buckets:
-        stacked = optimizer._stack_updates(bucket, plan, sources, None)
+    for bucket, stacked in zip(plan.buckets, stack_all()):
         ms = timed(lambda: optimizer._orthogonalize_bucket(bucket, stacked, True), device, warmup, repeats)
         method = optimizer.param_groups[bucket.group_index]["method"]
         if method == "auto":
