@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import shlex
 import statistics
 import sys
@@ -203,21 +204,22 @@ def run_reference_set(args) -> tuple[list[str], dict]:
 
 
 def run_auto_sweep(args) -> list[str]:
-    """Standard vs Gram (Triton) over aspect ratios: the measurement behind the `auto` rule."""
+    """Standard vs Gram (Triton) over aspect ratios and stack sizes: the measurement behind the `auto` rule. The
+    two methods alternate for three rounds (medians), since single timings of small stacks drift by 10-30%."""
     lines = ["| m × n | batch | standard ms | gram ms | gram / standard |", "|---|---:|---:|---:|---:|"]
-    grid = {
-        1024: (1.0, 1.5, 2.0, 2.25, 2.5, 2.75, 4.0),
-        2048: (1.0, 1.25, 1.4, 1.5, 2.0, 2.75, 4.0),
-        4096: (1.0, 1.25, 1.5),
-    }
-    for m, aspects in grid.items():
-        for aspect in aspects:
-            n = int(m * aspect)
-            batch = {1024: 8, 2048: 4, 4096: 1}[m]
-            G = torch.randn(batch, m, n, device="cuda", dtype=torch.bfloat16)
-            t_std = cuda_ms(lambda: orthogonalize(G, method="standard"), args.warmup, args.reps)
-            t_gram = cuda_ms(lambda: orthogonalize(G, method="gram"), args.warmup, args.reps)
-            lines.append(f"| {m} × {n} | {batch} | {t_std:.3f} | {t_gram:.3f} | {t_gram / t_std:.3f} |")
+    grid = [(2048, (1.0, 1.125, 1.25, 1.3125, 1.375, 1.5, 2.0, 2.75, 4.0), (6, 24)),
+            (1536, (1.0, 1.125, 1.25, 1.3333, 1.5), (6, 36)),
+            (1024, (1.5, 2.0, 2.25, 2.5, 2.75), (8, 32)),
+            (4096, (1.0, 1.25, 1.5), (2,))]
+    for m, aspects, batches in grid:
+        for aspect, batch in itertools.product(aspects, batches):
+            G = torch.randn(batch, m, round(m * aspect / 64) * 64, device="cuda", dtype=torch.bfloat16)
+            times = {"standard": [], "gram": []}
+            for _ in range(3):
+                for method, runs in times.items():
+                    runs.append(cuda_ms(lambda: orthogonalize(G, method=method), args.warmup, args.reps))
+            t_std, t_gram = (statistics.median(runs) for runs in times.values())
+            lines.append(f"| {m} × {G.size(-1)} | {batch} | {t_std:.3f} | {t_gram:.3f} | {t_gram / t_std:.3f} |")
             print(lines[-1], flush=True)
     return lines + [""] + kernel_lines(args)
 

@@ -15,11 +15,13 @@ from megatron_muon.kernels.ops import select_ops
 
 METHODS = ("standard", "gram", "auto")
 
-# `auto` rule, measured on one H200 (benchmarks/results/orthogonalize_auto.md: bf16 input, 5 quintic steps, Triton
-# symmetric kernels, restarts (2, 4)). Gram/standard time: short side 2048: 1.05x square, 0.96-1.03x at aspect
-# 1.4-1.5, 0.85x at 2.75, 0.78x at 4; short side 1024 (too little m×m work to fill the GPU): 1.01-1.22x at 2.0,
-# 0.97x at 2.5, 0.82-0.94x at 2.75 (noisy ~1 ms calls). Square matrices are always faster with standard NS.
-GRAM_MIN_ASPECT = 1.5
+# `auto` rule, measured on one H200 (benchmarks/results/orthogonalize_auto_persistent.md: bf16 input, 5 quintic
+# steps, persistent Triton symmetric kernels, default restarts; medians of alternated rounds). Gram/standard time
+# for stacks as Muon builds them (24 × 2048 × n, 36 × 1536 × n): 1.0x square, 0.89-0.96x at aspect 1.125,
+# 0.88-0.92x at 1.25, 0.85x at 1.33, 0.82-0.84x at 1.5, 0.65x at 2.75. Stacks of 6 × 2048 gain from 1.25 (0.97x), so the
+# rule starts there. Short side 1024 (too little m×m work to fill the GPU; 32 × 1024 × n): 1.01x at 2.5, 0.98x
+# at 2.75, so it stays at 2.5. (Stacks of 6-8 small matrices are host-bound at 1.5-2.5 ms a call and not ranked.)
+GRAM_MIN_ASPECT = 1.25
 GRAM_MIN_ASPECT_SHORT_SIDE = 1536
 GRAM_MIN_ASPECT_SMALL = 2.5
 

@@ -90,7 +90,8 @@ def test_zero_and_empty_inputs():
 def test_auto_rule():
     assert choose_method(2048, 2048) == "standard"
     assert choose_method(9228, 2048) == "gram" and choose_method(2048, 11264) == "gram"
-    assert choose_method(2048, 3072) == "gram" and choose_method(2048, 2560) == "standard"
+    assert choose_method(2048, 3072) == "gram" and choose_method(2048, 2560) == "gram"
+    assert choose_method(2048, 2304) == "standard" and choose_method(2048, 1536) == "gram"
     assert choose_method(1024, 2048) == "standard" and choose_method(1024, 2816) == "gram"
 
 

@@ -83,7 +83,7 @@ def test_int64_offsets_past_2_pow_31(tma):
 
 
 @gpu_test
-@pytest.mark.parametrize("shape", [(3, 512, 1536), (1280, 320), (1024, 4608), (2, 768, 768)])
+@pytest.mark.parametrize("shape", [(3, 512, 1536), (1280, 320), (1024, 4608), (2, 768, 768), (2, 1536, 2048)])
 @pytest.mark.parametrize("method", ["standard", "gram"])
 def test_orthogonalize_triton_equals_torch_backend(shape, method):
     torch.manual_seed(sum(shape))
