@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from megatron_muon.kernels import scaled_copy as scaled_copy_kernel
+from megatron_muon.kernels import symmetric_ws
 from megatron_muon.kernels.ops import TorchOps
 
 
@@ -324,4 +325,7 @@ class TritonOps:
         # fp64 goes to cuBLAS too: the kernel accumulates in fp32, which would quietly end an fp64 iteration.
         if A.dtype == torch.float64 or (A.size(-2) < MIN_TRITON_ROWS and not _interpreting()):
             return TorchOps.sym_mm(A, B, C, alpha, beta)
+        C = C if beta != 0.0 else None
+        if not _interpreting() and symmetric_ws.ready(A, B, C):  # the Hopper warp-specialized kernel
+            return symmetric_ws.symmetric_matmul_ws(A, B, C, alpha, beta)
         return symmetric_matmul(A, B, C, alpha, beta)
