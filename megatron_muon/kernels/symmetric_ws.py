@@ -9,7 +9,9 @@ main loop interleaves load issue with MMAs. On the H200 the Gram stacks of the r
 faster with this kernel, the whole set 0.355x -> 0.344x torch.optim.Muon (benchmarks/results/sym_warp_specialized.md).
 
 The batch is folded into rows (2-D descriptors over [b·m, k]), so it needs m to be a multiple of the tile.
-`ready(...)` says when it applies; `TritonOps.sym_mm` falls back to the Triton kernel otherwise.
+`ready(...)` says when it applies; `TritonOps.sym_mm` falls back to the Triton kernel otherwise. Gluon is
+Triton's experimental lower-level language, so its API can change between Triton releases: the CPU tests compile
+this kernel for sm90, and a Triton without Gluon leaves every call to the Triton kernel.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def ready(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor | None) -> bool:
     16-byte aligned rows (TMA), and the same dtype everywhere."""
     if gluon is None or not A.is_cuda or not _is_hopper(A.device.index or 0):
         return False
-    if A.dtype not in (torch.float16, torch.bfloat16) or A.size(-2) % TILE:
+    if A.dtype not in (torch.float16, torch.bfloat16) or A.size(-2) % TILE or A.size(-1) == 0:
         return False
     tensors = [A, B] + ([C] if C is not None else [])
     return all(t.dtype == A.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0 and t.size(-1) * 2 % 16 == 0
