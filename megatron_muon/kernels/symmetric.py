@@ -327,5 +327,8 @@ class TritonOps:
             return TorchOps.sym_mm(A, B, C, alpha, beta)
         C = C if beta != 0.0 else None
         if not _interpreting() and symmetric_ws.ready(A, B, C):  # the Hopper warp-specialized kernel
-            return symmetric_ws.symmetric_matmul_ws(A, B, C, alpha, beta)
+            try:
+                return symmetric_ws.symmetric_matmul_ws(A, B, C, alpha, beta)
+            except symmetric_ws.FRONTEND_ERRORS as error:  # a Gluon API this kernel does not match
+                symmetric_ws.disable(error)
         return symmetric_matmul(A, B, C, alpha, beta)

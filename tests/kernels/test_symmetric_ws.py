@@ -46,6 +46,33 @@ def test_ready_declines_what_it_cannot_run():
         assert not symmetric_ws.ready(X.cuda().float(), X.cuda().float(), None)  # fp32
 
 
+def test_a_gluon_front_end_it_does_not_match_hands_over_to_the_triton_kernel(monkeypatch):
+    """If this Triton's Gluon rejects the kernel (an API change), one warning, then the Triton kernel for good."""
+    from megatron_muon.kernels import symmetric
+
+    calls = []
+
+    def rejected(*args):
+        calls.append("warp-specialized")
+        raise TypeError("warp_specialize() got an unexpected keyword argument")
+
+    def triton_kernel(A, B, C=None, alpha=1.0, beta=0.0):
+        calls.append("triton")
+        return TorchOps.sym_mm(A, B, C, alpha, beta)
+
+    monkeypatch.setattr(symmetric_ws, "_disabled", [])
+    monkeypatch.setattr(symmetric_ws, "ready", lambda A, B, C: symmetric_ws.available())
+    monkeypatch.setattr(symmetric_ws, "symmetric_matmul_ws", rejected)
+    monkeypatch.setattr(symmetric, "symmetric_matmul", triton_kernel)
+    X = torch.randn(2, symmetric.MIN_TRITON_ROWS, 64)
+    with pytest.warns(UserWarning, match="failed to compile"):
+        first = symmetric.TritonOps.sym_mm(X, X)
+    second = symmetric.TritonOps.sym_mm(X, X)
+    assert calls == ["warp-specialized", "triton", "triton"]
+    assert torch.equal(first, TorchOps.sym_mm(X, X)) and torch.equal(second, first)
+    assert not symmetric_ws.available()
+
+
 def gpu_test(fn):
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     return pytest.mark.gpu(pytest.mark.skipif(not hopper, reason="needs an sm90 GPU")(fn))
