@@ -9,6 +9,7 @@ asynchronously from shared memory), and TMA configs may be persistent (one progr
 tiles, so a tile's loads overlap the previous tile's stores); the autotuner picks per (rows, inner dim). TMA stores
 matter most: the transposed pointer store of the mirror tile made the epilogue a quarter of a 2048³ product's time
 (benchmarks/results/sym_persistent.md). A fixed small config under TRITON_INTERPRET=1 (CPU debugging).
+On Hopper, `TritonOps.sym_mm` prefers the warp-specialized Gluon kernel (`symmetric_ws.py`) wherever it applies.
 """
 
 from __future__ import annotations
