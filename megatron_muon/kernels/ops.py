@@ -10,7 +10,15 @@ All operands are batched `[b, rows, cols]`. Backends are interchangeable: the al
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.cache
+def sm_count(device_index: int | None) -> int:
+    """The device's streaming multiprocessors: the kernel backends launch one persistent program per SM."""
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
 class TorchOps:

@@ -14,7 +14,6 @@ On Hopper, `TritonOps.sym_mm` prefers the warp-specialized Gluon kernel (`symmet
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 
@@ -24,7 +23,7 @@ import triton.language as tl
 
 from megatron_muon.kernels import scaled_copy as scaled_copy_kernel
 from megatron_muon.kernels import symmetric_ws
-from megatron_muon.kernels.ops import TorchOps
+from megatron_muon.kernels.ops import TorchOps, sm_count
 
 
 @triton.jit
@@ -271,13 +270,8 @@ def symmetric_matmul(A, B, C=None, alpha: float = 1.0, beta: float = 0.0, tma: b
                                                                 NUM_SMS=_INTERPRET_SMS, **meta)
     else:
         key = (m, k, has_c, loads, A.dtype, c.dtype, out.dtype, A.device.index)
-        _launch_tuned(args, key, m, batch, HAS_C=has_c, LOADS=loads, NUM_SMS=_sm_count(A.device.index))
+        _launch_tuned(args, key, m, batch, HAS_C=has_c, LOADS=loads, NUM_SMS=sm_count(A.device.index))
     return out
-
-
-@functools.cache
-def _sm_count(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
 _TUNED: dict[tuple, triton.Config] = {}

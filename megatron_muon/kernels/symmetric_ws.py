@@ -23,6 +23,8 @@ import torch
 import triton
 from packaging.version import Version
 
+from megatron_muon.kernels.ops import sm_count
+
 # The Gluon API this kernel is written against (list-form `warp_specialize`, `warpgroup_mma_wait(deps=...)`)
 FIRST_TRITON = Version("3.6")
 gluon = None
@@ -195,11 +197,6 @@ def _layouts(dtype: torch.dtype):
             gl.NVMMASharedLayout.get_default_for([TILE, TILE], element))
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def symmetric_matmul_ws(A, B, C=None, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
     """alpha·A·Bᵀ + beta·C for [b, m, k] A, B and [b, m, m] C (where `ready`), assuming the result is symmetric."""
     batch, m, k = A.shape
@@ -216,7 +213,7 @@ def symmetric_matmul_ws(A, B, C=None, alpha: float = 1.0, beta: float = 0.0) -> 
     tiles = m // TILE
     per_matrix = tiles * (tiles + 1) // 2
     total = per_matrix * batch
-    grid = (min(_sm_count(A.device.index or 0), triton.cdiv(total, 2)), )  # two consumers per program
+    grid = (min(sm_count(A.device.index), triton.cdiv(total, 2)), )  # two consumers per program
     _sym_mm_ws_kernel[grid](a_desc, b_desc, c_desc, o_desc, m, k, total, per_matrix, float(alpha), float(beta),
                             has_c, STAGES, CONSUMER_REGISTERS, num_warps=4)
     return out
