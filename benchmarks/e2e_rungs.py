@@ -19,8 +19,10 @@ attention fit at 16k (rung 1 materializes a 16 x 16k x 16k score matrix per atte
 `4m` is rung 4 with megatron's mixed-dtype `main_grad.add_` instead of our vectorized one (the gain of
 `megatron_muon.megatron.main_grad_add`, measured in the same run).
 `4f` is rung 4 with FLA's kernels where GDN's ops run ours by default: the two chunk-state recurrences
-(`megatron_muon.ops.state_tma`) and the chunk output gradients (`megatron_muon.ops.dqkwg`; the gain of those,
+(`megatron_muon.ops.state_ws`) and the chunk output gradients (`megatron_muon.ops.dqkwg`; the gain of those,
 measured in the same run).
+`4t` is rung 4 with our Triton chunk-state kernels (`megatron_muon.ops.state_tma`) in place of the warp-specialized
+Gluon ones (`megatron_muon.ops.state_ws`; the gain of those, measured in the same run).
 `4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
 `megatron_muon.megatron.main_grad_add.install_first_grad_overwrite`, measured in the same run).
 `4a` is rung 4 with megatron's clip multiply, torch's fused AdamW and megatron's master-to-model copy as three
@@ -57,7 +59,8 @@ class Rung:
     muon_clip_in_momentum: bool = False  # megatron's clip applied inside our Muon's fused momentum pass
     muon_model_copy: bool = False  # the bf16 model copies written by our Muon's fused update pass
     first_grad_overwrite: bool = False  # each step's first gradient overwrites DDP's buffers (no zeroing pass)
-    gdn_kernels: str = "ours"  # GDN's chunk kernels: ours where they qualify, or FLA's everywhere ("fla")
+    gdn_kernels: str = "ours"  # GDN's chunk kernels: ours where they qualify, ours with the Triton state kernels
+    # ("triton"), or FLA's everywhere ("fla")
 
 
 RUNGS = {
@@ -72,6 +75,8 @@ RUNGS = {
               main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True),
     "4f": Rung("4f", "rung 4 with FLA's chunk kernels", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, gdn_kernels="fla"),
+    "4t": Rung("4t", "rung 4 with the Triton chunk-state kernels", "ours", "cudnn", True, "adam", True,
+               main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, gdn_kernels="triton"),
     "4z": Rung("4z", "rung 4 with DDP's buffers zeroed every step", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True),
     "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,

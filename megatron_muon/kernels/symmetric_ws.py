@@ -17,56 +17,34 @@ this kernel for sm90, and a Triton without Gluon leaves every call to the Triton
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import triton
-from packaging.version import Version
 
+from megatron_muon.kernels.gluon_support import (FRONTEND_ERRORS, KernelSwitch, TensorDescriptor,  # noqa: F401
+                                                 fence_async_shared, gl, gluon, is_hopper, mbarrier, tma,
+                                                 warpgroup_mma, warpgroup_mma_wait)
 from megatron_muon.kernels.ops import sm_count
-
-# The Gluon API this kernel is written against (list-form `warp_specialize`, `warpgroup_mma_wait(deps=...)`)
-FIRST_TRITON = Version("3.6")
-gluon = None
-if Version(triton.__version__).release >= FIRST_TRITON.release:
-    try:
-        from triton.experimental import gluon
-        from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                      warpgroup_mma, warpgroup_mma_wait)
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    except ImportError:  # a build without Gluon: the Triton kernel serves every call
-        gluon = None
 
 TILE, TILE_K = 128, 64
 STAGES = 4  # 4 × 32 KB of operands + two 32 KB epilogue buffers: 197 KB of shared memory
 CONSUMER_REGISTERS = 224
-# What a Gluon front end that does not match this kernel raises while compiling it (before anything runs)
-FRONTEND_ERRORS = (triton.CompilationError, TypeError, AttributeError, NotImplementedError)
-_disabled: list[str] = []  # why the kernel was turned off for this process, if it was
+SWITCH = KernelSwitch("warp-specialized Hopper symmetric kernel")
 
 
 def available() -> bool:
-    return gluon is not None and not _disabled
+    return SWITCH.available()
 
 
 def disable(error: Exception) -> None:
     """Turn the kernel off for this process (the Triton kernel takes over), with one warning that says why."""
-    if not _disabled:
-        _disabled.append(f"{type(error).__name__}: {error}")
-        warnings.warn(f"the warp-specialized Hopper symmetric kernel failed to compile with Triton "
-                      f"{triton.__version__} ({_disabled[0][:300]}); using the Triton kernel instead", stacklevel=2)
-
-
-@functools.cache
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+    SWITCH.disable(error)
 
 
 def ready(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor | None) -> bool:
     """Hopper (sm90 exactly: the kernel uses wgmma), fp16/bf16, m a multiple of the tile, contiguous operands with
     16-byte aligned rows (TMA), and the same dtype everywhere."""
-    if not available() or not A.is_cuda or not _is_hopper(A.device.index or 0):
+    if not available() or not A.is_cuda or not is_hopper(A.device.index or 0):
         return False
     if A.dtype not in (torch.float16, torch.bfloat16) or A.size(-2) % TILE or A.size(-1) == 0:
         return False

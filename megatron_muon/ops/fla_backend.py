@@ -5,7 +5,8 @@ We call FLA's kernel launchers directly (not its autograd.Functions, which are w
 forward can hand its chunk states to the backward instead of recomputing them. FLA's own
 dispatch picks TileLang for the gated backward on Hopper when the fla-tilelang backend was selected.
 On Hopper, where the inputs qualify, three of those kernels are ours instead (`ours_enabled`): the chunk-state
-recurrences (`state_tma`) and the chunk output gradients (`dqkwg`).
+recurrences (warp-specialized Gluon kernels, `state_ws`, where they apply; else the Triton ones, `state_tma`) and the
+chunk output gradients (`dqkwg`). MEGATRON_MUON_GDN_KERNELS=triton keeps the Triton state kernels, =fla FLA's.
 Imports are lazy: this module is only touched when a CUDA op runs with an FLA backend.
 """
 
@@ -14,11 +15,11 @@ import os
 
 import torch
 
-from megatron_muon.ops import dqkwg, state_tma
+from megatron_muon.ops import dqkwg, state_tma, state_ws
 
 CHUNK_SIZE = 64
 KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
-KERNEL_CHOICES = ("ours", "fla")
+KERNEL_CHOICES = ("ours", "triton", "fla")
 # Recurrent state stored [V, K] inside the kernels (FLA's own layers run this way, so both share kernels and autotune
 # entries); our API keeps [N, HV, K, V] and transposes the few [N, HV, ., .] boundary states.
 STATE_V_FIRST = True
@@ -79,13 +80,29 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     return o.to(v.dtype), final_state.float(), g_cumsum.float(), a_inverse.to(k.dtype), w, h, v_new
 
 
-def ours_enabled() -> bool:
-    """Whether GDN's chunk ops run our kernels (`ops/state_tma.py`, `ops/dqkwg.py`) where they qualify: the default;
-    MEGATRON_MUON_GDN_KERNELS=fla keeps FLA's everywhere."""
+def kernel_choice() -> str:
+    """MEGATRON_MUON_GDN_KERNELS: "ours" (the default), "triton" (ours, with the Triton state kernels) or "fla"."""
     choice = os.environ.get(KERNELS_ENV_VAR, "ours")
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNELS_ENV_VAR}={choice!r}; valid choices: {KERNEL_CHOICES}")
-    return choice == "ours"
+    return choice
+
+
+def ours_enabled() -> bool:
+    """Whether GDN's chunk ops run our kernels where they qualify: the default; MEGATRON_MUON_GDN_KERNELS=fla keeps
+    FLA's everywhere."""
+    return kernel_choice() != "fla"
+
+
+def _state_kernel(name: str, key_side: list, value_side: list, *args, **kwargs):
+    """`state_ws.<name>` where the Gluon kernels apply (a front end that rejects them hands every later call to the
+    Triton kernels, with one warning), else `state_tma.<name>`."""
+    if kernel_choice() == "ours" and state_ws.ready(key_side, value_side):
+        try:
+            return getattr(state_ws, name)(*args, **kwargs)
+        except state_ws.FRONTEND_ERRORS as error:  # raised while compiling, before anything ran
+            state_ws.SWITCH.disable(error)
+    return getattr(state_tma, name)(*args, **kwargs)
 
 
 def _on_state_tma(key_side, value_side, g_cumsum, cu_seqlens) -> bool:
@@ -103,7 +120,7 @@ def _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens) -> bool:
 def _forward_states(k, w, u, g_cumsum, initial_state, output_final_state, cu_seqlens, chunk_indices):
     """(per-chunk states h, v_new, final state) from FLA's forward state kernel or, where enabled, ours."""
     if _on_state_tma([k, w], [u], g_cumsum, cu_seqlens):
-        return state_tma.chunk_fwd_h(k, w, u, g_cumsum, initial_state, output_final_state)
+        return _state_kernel("chunk_fwd_h", [k, w], [u], k, w, u, g_cumsum, initial_state, output_final_state)
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     return chunk_gated_delta_rule_fwd_h(
@@ -148,7 +165,8 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
             h, v_new, _ = _forward_states(k, w, u, g_cumsum, h0, False, cu_seqlens, chunk_indices)
         dv = chunk_bwd_dv_local(q=q, k=k, g=g_cumsum, do=do, scale=scale, chunk_size=CHUNK_SIZE, **common)
         if _on_state_tma([q, k, w], [do, dv], g_cumsum, cu_seqlens):
-            dh, dh0, dv = state_tma.chunk_dhu(q, k, w, g_cumsum, do, dv, scale, dht=dht, want_dh0=h0 is not None)
+            dh, dh0, dv = _state_kernel("chunk_dhu", [q, k, w], [do, dv], q, k, w, g_cumsum, do, dv, scale, dht=dht,
+                                        want_dh0=h0 is not None)
         else:
             dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
                 q=q, k=k, w=w, g=g_cumsum, h0=h0, dht=dht, do=do, dv=dv, scale=scale, state_v_first=STATE_V_FIRST,

@@ -60,7 +60,7 @@ def test_a_gluon_front_end_it_does_not_match_hands_over_to_the_triton_kernel(mon
         calls.append("triton")
         return TorchOps.sym_mm(A, B, C, alpha, beta)
 
-    monkeypatch.setattr(symmetric_ws, "_disabled", [])
+    monkeypatch.setattr(symmetric_ws.SWITCH, "why", [])
     monkeypatch.setattr(symmetric_ws, "ready", lambda A, B, C: symmetric_ws.available())
     monkeypatch.setattr(symmetric_ws, "symmetric_matmul_ws", rejected)
     monkeypatch.setattr(symmetric, "symmetric_matmul", triton_kernel)

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_muon.ops import dqkwg, fla_backend, state_tma
+from megatron_muon.ops import dqkwg, fla_backend, state_tma, state_ws
 from tests.interpreter import run_under_interpreter
 
-OUR_KERNELS = [(state_tma, "chunk_fwd_h"), (state_tma, "chunk_dhu"), (dqkwg, "chunk_dqkwg")]
+OUR_KERNELS = [(state_ws, "chunk_fwd_h"), (state_ws, "chunk_dhu"), (state_tma, "chunk_fwd_h"),
+               (state_tma, "chunk_dhu"), (dqkwg, "chunk_dqkwg")]
 
 
 def test_the_backward_reference_is_the_adjoint_of_the_forward_reference():
@@ -128,17 +129,22 @@ def test_state_gradients_equal_flas_kernel_at_the_hybrid_shape(config):
                          [(1008, True, True), (1008, False, True), (496, True, False)],
                          ids=["kept-states", "recomputed-states", "no-initial-state"])
 def test_gdn_op_on_our_kernels_matches_the_torch_backend(monkeypatch, seq_len, keep_states, with_state):
-    """The GDN custom op with MEGATRON_MUON_GDN_KERNELS=ours: every output and gradient within FLA's tolerances of the
-    torch backend, and all three of our kernels really ran."""
+    """The GDN custom op with MEGATRON_MUON_GDN_KERNELS=ours (and =triton): every output and gradient within FLA's
+    tolerances of the torch backend, and all three of our kernels really ran: the state recurrences on the Gluon
+    kernels wherever Gluon is there (=ours), on the Triton ones otherwise."""
     from tests.ops import test_gdn_gpu
 
     calls = []
     for module, name in OUR_KERNELS:
         kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
-    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "ours")
-    test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, with_state, False)
-    assert set(calls) == {name for _, name in OUR_KERNELS}
+        tag = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _t=tag, **kw: calls.append(_t) or _k(*a, **kw))
+    for choice, states in (("ours", "state_ws" if state_ws.SWITCH.available() else "state_tma"),
+                           ("triton", "state_tma")):
+        calls.clear()
+        monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, choice)
+        test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, with_state, False)
+        assert set(calls) == {f"{states}.chunk_fwd_h", f"{states}.chunk_dhu", "dqkwg.chunk_dqkwg"}, choice
 
 
 @pytest.mark.gpu
@@ -158,6 +164,8 @@ def test_gdn_op_keeps_flas_kernels_when_asked(monkeypatch):
 def test_the_default_kernel_choice_is_ours(monkeypatch):
     monkeypatch.delenv(fla_backend.KERNELS_ENV_VAR, raising=False)
     assert fla_backend.ours_enabled()
+    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "triton")
+    assert fla_backend.ours_enabled() and fla_backend.kernel_choice() == "triton"
     monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fla")
     assert not fla_backend.ours_enabled()
 

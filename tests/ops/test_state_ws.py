@@ -1,0 +1,176 @@
+"""The warp-specialized Gluon chunk-state kernels: compiled for sm90 on any machine (shared memory, wgmma), the
+fallback to the Triton kernels, and on a Hopper GPU their outputs against FLA's, the Triton kernels' and the fp32
+recurrences."""
+
+import re
+import warnings
+
+import pytest
+import torch
+
+from megatron_muon.ops import fla_backend, state_tma, state_ws
+from tests.ops.test_state_tma import _check_against_fla_and_reference, _relative
+
+SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm90
+needs_gluon = pytest.mark.skipif(state_ws.gluon is None, reason="this Triton has no Gluon")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm90 GPU")
+
+
+def _compile_for_sm90(kernel, key_dim: int, dtype: torch.dtype, flags: dict, state_pointer: str = "*fp32"):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    key, state, value = state_ws._layouts(dtype)
+    rows = torch.empty(256, 6 * 512, dtype=dtype)
+    key_desc = mangle_type(TensorDescriptor.from_tensor(rows[:, : 6 * key_dim], [64, 64], key))
+    state_desc = mangle_type(TensorDescriptor.from_tensor(rows[:, :key_dim], [32, 64], state))
+    value_desc = mangle_type(TensorDescriptor.from_tensor(rows, [64, 32], value))
+    pointer = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    if kernel is state_ws._chunk_state_fwd_ws_kernel:
+        names = {"k_desc": key_desc, "w_desc": key_desc, "u_desc": value_desc, "h_desc": state_desc,
+                 "v_desc": value_desc, "g": "*fp32", "h0": state_pointer, "ht": state_pointer}
+    else:
+        names = {"q_desc": key_desc, "k_desc": key_desc, "w_desc": key_desc, "dh_desc": state_desc,
+                 "dv2_desc": value_desc, "do": pointer, "dv": pointer, "g": "*fp32", "dht": state_pointer, "dh0": state_pointer,
+                 "scale": "fp32"}
+    constants = {"H": 6, "K": key_dim, "V": 512, "BV": state_ws.BLOCK_V, **flags}
+    signature = {**names, "T": "i32", "NT": "i32", **{name: "constexpr" for name in constants}}
+    source = GluonASTSource(kernel, signature, constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@needs_gluon
+@pytest.mark.parametrize("key_dim, dtype", [(256, torch.bfloat16), (128, torch.float16), (64, torch.bfloat16)],
+                         ids=["k256-bf16", "k128-fp16", "k64-bf16"])
+def test_kernels_compile_for_hopper_within_shared_memory(key_dim, dtype):
+    """No GPU needed: both kernels lower to 64 × 32 wgmma and fit an sm90 block's shared memory."""
+    forward = _compile_for_sm90(state_ws._chunk_state_fwd_ws_kernel, key_dim, dtype,
+                                {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True})
+    backward = _compile_for_sm90(state_ws._chunk_state_bwd_ws_kernel, key_dim, dtype,
+                                 {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True})
+    for kernel in (forward, backward):
+        assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.(bf16|f16)", kernel.asm["ptx"])
+
+
+def test_cpu_tensors_are_never_ready():
+    key = torch.zeros(1, 64, 1, 64, dtype=torch.bfloat16)
+    value = torch.zeros(1, 64, 1, 32, dtype=torch.bfloat16)
+    assert not state_ws.ready([key, key], [value])
+
+
+def _stub_kernels(monkeypatch, gluon_error=None):
+    """Our two state-kernel modules replaced by recorders; the Gluon one raises `gluon_error` if given."""
+    calls = []
+
+    def recorder(module, name):
+        def call(*args, **kwargs):
+            calls.append(f"{module}.{name}")
+            if module == "state_ws" and gluon_error is not None:
+                raise gluon_error
+            return module
+        return call
+
+    for name in ("chunk_fwd_h", "chunk_dhu"):
+        monkeypatch.setattr(state_ws, name, recorder("state_ws", name))
+        monkeypatch.setattr(state_tma, name, recorder("state_tma", name))
+    monkeypatch.setattr(state_ws, "ready", lambda key_side, value_side: state_ws.SWITCH.available())
+    monkeypatch.setattr(state_ws.SWITCH, "why", [])
+    return calls
+
+
+@needs_gluon
+def test_a_rejected_gluon_kernel_warns_once_and_hands_every_call_to_triton(monkeypatch):
+    calls = _stub_kernels(monkeypatch, TypeError("warp_specialize() got an unexpected keyword argument"))
+    monkeypatch.delenv(fla_backend.KERNELS_ENV_VAR, raising=False)
+    with pytest.warns(UserWarning, match="GDN state kernel failed to compile"):
+        assert fla_backend._state_kernel("chunk_fwd_h", [], []) == "state_tma"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fla_backend._state_kernel("chunk_dhu", [], []) == "state_tma"
+    assert calls == ["state_ws.chunk_fwd_h", "state_tma.chunk_fwd_h", "state_tma.chunk_dhu"]
+    assert not state_ws.SWITCH.available()
+
+
+@needs_gluon
+@pytest.mark.parametrize("choice, module", [("ours", "state_ws"), ("triton", "state_tma")])
+def test_the_kernel_choice_picks_the_state_kernels(monkeypatch, choice, module):
+    calls = _stub_kernels(monkeypatch)
+    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, choice)
+    assert fla_backend._state_kernel("chunk_dhu", [], []) == module
+    assert calls == [f"{module}.chunk_dhu"]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@needs_gluon
+def test_forward_states_equal_flas_kernel_at_the_hybrid_shape():
+    """bf16, 6 heads, key 256, value 512, with initial and final states: within 1e-2 of FLA's kernel at 16k tokens,
+    and at 2k no further from the fp32 recurrence than twice FLA's error."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    from megatron_muon.ops.reference import chunk_state_forward_reference
+
+    _check_against_fla_and_reference(
+        lambda q, k, w, u, do, dv, g, s: state_ws.chunk_fwd_h(k, w, u, g, s, True),
+        lambda q, k, w, u, do, dv, g, s: chunk_gated_delta_rule_fwd_h(
+            k=k, w=w, u=u, g=g, initial_state=s, output_final_state=True, chunk_size=64, state_v_first=True),
+        lambda q, k, w, u, do, dv, g, s: chunk_state_forward_reference(k, w, u, g, s),
+    )
+
+
+@pytest.mark.gpu
+@needs_hopper
+@needs_gluon
+def test_state_gradients_equal_flas_kernel_at_the_hybrid_shape():
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+
+    from megatron_muon.ops.reference import chunk_state_backward_reference
+
+    scale = 256**-0.5
+    _check_against_fla_and_reference(
+        lambda q, k, w, u, do, dv, g, s: state_ws.chunk_dhu(q, k, w, g, do, dv, scale, dht=s, want_dh0=True),
+        lambda q, k, w, u, do, dv, g, s: chunk_gated_delta_rule_bwd_dhu(
+            q=q, k=k, w=w, g=g, h0=torch.zeros_like(s), dht=s, do=do, dv=dv, scale=scale, state_v_first=True,
+            chunk_size=64),
+        lambda q, k, w, u, do, dv, g, s: chunk_state_backward_reference(q, k, w, g, do, dv, scale, dht=s),
+    )
+
+
+@pytest.mark.gpu
+@needs_hopper
+@needs_gluon
+@pytest.mark.parametrize("batch, seq_len, key_dim, value_dim, dtype",
+                         [(2, 1024, 128, 64, torch.float16), (1, 1000, 64, 96, torch.bfloat16),
+                          (3, 192, 256, 32, torch.bfloat16)],
+                         ids=["two-sequences-k128-fp16", "partial-chunk-k64", "three-sequences-k256"])
+def test_other_shapes_match_the_triton_kernels_and_the_fp32_recurrences(batch, seq_len, key_dim, value_dim, dtype):
+    """Both recurrences with initial / final states: within 1e-2 of the Triton kernels and no further from the fp32
+    references than twice their error."""
+    from megatron_muon.ops.reference import chunk_state_backward_reference, chunk_state_forward_reference
+
+    torch.manual_seed(seq_len + key_dim)
+    heads, scale = 3, key_dim**-0.5
+    key_shape = (batch, seq_len, heads, key_dim)
+    q, k = (torch.nn.functional.normalize(torch.randn(key_shape, device="cuda"), dim=-1).to(dtype) for _ in range(2))
+    w = (torch.randn(key_shape, device="cuda") * 0.05).to(dtype)
+    u, do, dv = (torch.randn(batch, seq_len, heads, value_dim, device="cuda").to(dtype) for _ in range(3))
+    steps = -torch.rand(batch, seq_len, heads, device="cuda") * 0.1
+    g = torch.cat([steps[:, i : i + 64].cumsum(1) for i in range(0, seq_len, 64)], dim=1) / 0.6931471805599453
+    state = torch.randn(batch, heads, value_dim, key_dim, device="cuda") * 0.1
+    assert state_tma.qualifies([k, w], [u], g, None, 64) and state_ws.ready([k, w], [u])
+    runs = [
+        (state_ws.chunk_fwd_h(k, w, u, g, state, True), state_tma.chunk_fwd_h(k, w, u, g, state, True),
+         chunk_state_forward_reference(*(t.cpu() for t in (k, w, u, g, state)))),
+        (state_ws.chunk_dhu(q, k, w, g, do, dv, scale, dht=state, want_dh0=True),
+         state_tma.chunk_dhu(q, k, w, g, do, dv, scale, dht=state, want_dh0=True),
+         chunk_state_backward_reference(*(t.cpu() for t in (q, k, w, g, do, dv)), scale, dht=state.cpu())),
+    ]
+    for ours, triton_kernel, reference in runs:
+        for got, theirs, want in zip(ours, triton_kernel, reference):
+            assert _relative(got, theirs) < 1e-2
+            assert _relative(got.cpu(), want) < 2 * _relative(theirs.cpu(), want) + 1e-3
