@@ -22,7 +22,7 @@ from bench_env import emit_markdown, gdn_chunk_inputs, gpu_result_header  # noqa
 B, T, H, K, V = 1, 16384, 6, 256, 512
 
 
-def calls(q, k, w, u, g, do, dv):
+def calls(q, k, w, u, do, dv, g):
     """{(recurrence, kernel): call} for the forward states and the backward state gradients."""
     from fla.ops.common import chunk_delta_h as fla
 
