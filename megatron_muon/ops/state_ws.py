@@ -326,20 +326,31 @@ def _rows(t: torch.Tensor, block: list, layout):
     return TensorDescriptor.from_tensor(flat, block, layout)
 
 
+def _outputs(key: torch.Tensor, value: torch.Tensor, want_boundary: bool):
+    """(per-chunk states [B, NT, H, V, K], a tensor like `value`, a [B, H, V, K] fp32 boundary state or None) and
+    the launch grid (value blocks, batch·heads)."""
+    batch, seq_len, heads, key_dim = key.shape
+    value_dim = value.shape[-1]
+    states = key.new_empty(batch, triton.cdiv(seq_len, CHUNK), heads, value_dim, key_dim)
+    boundary = key.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if want_boundary else None
+    return (states, torch.empty_like(value), boundary), (value_dim // BLOCK_V, batch * heads)
+
+
+def _lengths_and_dims(states: torch.Tensor, seq_len: int) -> tuple:
+    """The kernels' (T, NT, H, K, V) arguments, from the [B, NT, H, V, K] per-chunk states."""
+    _, chunks, heads, value_dim, key_dim = states.shape
+    return seq_len, chunks, heads, key_dim, value_dim
+
+
 def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False):
     """`state_tma.chunk_fwd_h` on the warp-specialized kernel (where `ready`)."""
-    batch, seq_len, heads, key_dim = k.shape
-    value_dim = u.shape[-1]
-    chunks = triton.cdiv(seq_len, CHUNK)
-    h = k.new_empty(batch, chunks, heads, value_dim, key_dim)
-    v_new = torch.empty_like(u)
-    final = k.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if output_final_state else None
+    (h, v_new, final), grid = _outputs(k, u, output_final_state)
     key, state, value = _layouts(k.dtype)
     h0 = None if initial_state is None else initial_state.contiguous()
-    _chunk_state_fwd_ws_kernel[(value_dim // BLOCK_V, batch * heads)](
+    _chunk_state_fwd_ws_kernel[grid](
         _rows(k, [CHUNK, KEY_SLICE], key), _rows(w, [CHUNK, KEY_SLICE], key), _rows(u, [CHUNK, BLOCK_V], value),
         _rows(h, [BLOCK_V, KEY_SLICE], state), _rows(v_new, [CHUNK, BLOCK_V], value), g.contiguous(),
-        h if h0 is None else h0, h if final is None else final, seq_len, chunks, heads, key_dim, value_dim,
+        h if h0 is None else h0, h if final is None else final, *_lengths_and_dims(h, k.shape[1]),
         BLOCK_V, h0 is not None, output_final_state, num_warps=4,
     )
     return h, v_new, final
@@ -347,18 +358,13 @@ def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False
 
 def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False):
     """`state_tma.chunk_dhu` on the warp-specialized kernel (where `ready`)."""
-    batch, seq_len, heads, key_dim = q.shape
-    value_dim = do.shape[-1]
-    chunks = triton.cdiv(seq_len, CHUNK)
-    dh = q.new_empty(batch, chunks, heads, value_dim, key_dim)
-    dv2 = torch.empty_like(dv)
-    dh0 = q.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if want_dh0 else None
+    (dh, dv2, dh0), grid = _outputs(q, dv, want_dh0)
     key, state, value = _layouts(q.dtype)
     dht = None if dht is None else dht.contiguous()
-    _chunk_state_bwd_ws_kernel[(value_dim // BLOCK_V, batch * heads)](
+    _chunk_state_bwd_ws_kernel[grid](
         _rows(q, [CHUNK, KEY_SLICE], key), _rows(k, [CHUNK, KEY_SLICE], key), _rows(w, [CHUNK, KEY_SLICE], key),
         _rows(dh, [BLOCK_V, KEY_SLICE], state), _rows(dv2, [CHUNK, BLOCK_V], value), do.contiguous(),
         dv.contiguous(), g.contiguous(), dh if dht is None else dht, dh if dh0 is None else dh0, float(scale),
-        seq_len, chunks, heads, key_dim, value_dim, BLOCK_V, dht is not None, want_dh0, num_warps=4,
+        *_lengths_and_dims(dh, q.shape[1]), BLOCK_V, dht is not None, want_dh0, num_warps=4,
     )
     return dh, dh0, dv2

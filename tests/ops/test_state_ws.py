@@ -174,3 +174,33 @@ def test_other_shapes_match_the_triton_kernels_and_the_fp32_recurrences(batch, s
         for got, theirs, want in zip(ours, triton_kernel, reference):
             assert _relative(got, theirs) < 1e-2
             assert _relative(got.cpu(), want) < 2 * _relative(theirs.cpu(), want) + 1e-3
+
+
+@needs_gluon
+def test_the_host_wrappers_launch_the_kernels_with_their_signature(monkeypatch):
+    """No GPU needed: every argument lands on the kernel parameter of its name, and the grid is (value blocks,
+    batch·heads)."""
+    batch, seq_len, heads, key_dim, value_dim = 2, 1000, 3, 128, 96
+    launches = {}
+
+    def recorder(kernel):
+        def launch_with(grid):
+            return lambda *args, **options: launches.update({kernel: (grid, dict(zip(kernel.arg_names, args)))})
+        return type("Recorder", (), {"__getitem__": lambda self, grid: launch_with(grid)})()
+
+    for name in ("_chunk_state_fwd_ws_kernel", "_chunk_state_bwd_ws_kernel"):
+        monkeypatch.setattr(state_ws, name, recorder(getattr(state_ws, name)))
+    key = torch.zeros(batch, seq_len, heads, key_dim, dtype=torch.bfloat16)
+    value = torch.zeros(batch, seq_len, heads, value_dim, dtype=torch.bfloat16)
+    boundary = torch.ones(batch, heads, value_dim, key_dim)
+    gates = torch.zeros(batch, seq_len, heads)
+    h, v_new, final = state_ws.chunk_fwd_h(key, key, value, gates, boundary, True)
+    dh, dh0, dv2 = state_ws.chunk_dhu(key, key, key, gates, value, value, 0.5, None, True)
+    expected = {"T": seq_len, "NT": 16, "H": heads, "K": key_dim, "V": value_dim, "BV": state_ws.BLOCK_V}
+    (forward_grid, forward), (backward_grid, backward) = launches.values()
+    assert forward_grid == backward_grid == (value_dim // state_ws.BLOCK_V, batch * heads)
+    assert {name: forward[name] for name in expected} == expected == {name: backward[name] for name in expected}
+    assert forward["h0"] is not h and torch.equal(forward["h0"], boundary) and forward["ht"] is final
+    assert forward["USE_INITIAL_STATE"] and forward["STORE_FINAL_STATE"] and backward["scale"] == 0.5
+    assert backward["dh0"] is dh0 and not backward["USE_FINAL_STATE_GRADIENT"] and backward["USE_INITIAL_STATE"]
+    assert h.shape == dh.shape == (batch, 16, heads, value_dim, key_dim) and v_new.shape == dv2.shape == value.shape
