@@ -46,6 +46,16 @@ def ready(key_side: list, value_side: list) -> bool:
 if gluon is not None:
 
     @gluon.jit
+    def _ring_barriers():
+        """The two-stage ring's barriers: "ready" (the producer's TMA loads landed), "empty" (the consumer is done)."""
+        ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ready_bars.index(i), count=1)
+            mbarrier.init(empty_bars.index(i), count=1)
+        return ready_bars, empty_bars
+
+    @gluon.jit
     def _load_chunk(descs, bufs, bar, row, col, NS: gl.constexpr, slot):
         for j in gl.static_range(NS):
             tma.async_copy_global_to_shared(descs, [row, col + j * 64], bar, bufs.index(slot * NS + j))
@@ -217,11 +227,7 @@ if gluon is not None:
         sb3 = gl.allocate_shared_memory(dtype, [2, BV, 64], h_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [2, 64, BV], v_desc.layout)
         vg_buf = gl.allocate_shared_memory(dtype, [64, BV], v_desc.layout)
-        ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(ready_bars.index(i), count=1)
-            mbarrier.init(empty_bars.index(i), count=1)
+        ready_bars, empty_bars = _ring_barriers()
         row0 = i_b * T
         v_col = i_h * V + i_v * BV
         gl.warp_specialize([
@@ -296,11 +302,7 @@ if gluon is not None:
         sb3 = gl.allocate_shared_memory(dtype, [BV, 64], dh_desc.layout)
         dv2_buf = gl.allocate_shared_memory(dtype, [64, BV], dv2_desc.layout)
         dog_buf = gl.allocate_shared_memory(dtype, [64, BV], dv2_desc.layout)
-        ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(ready_bars.index(i), count=1)
-            mbarrier.init(empty_bars.index(i), count=1)
+        ready_bars, empty_bars = _ring_barriers()
         row0 = i_b * T
         gl.warp_specialize([
             (_backward_consumer, (q_bufs, k_bufs, w_bufs, ready_bars, empty_bars, sb0, sb1, sb2, sb3, dv2_buf,
