@@ -9,16 +9,20 @@ import functools
 import warnings
 
 import torch
-import triton
 from packaging.version import Version
+
+try:
+    import triton
+except ImportError:  # the GDN ops import this module and must still work (on their torch backend) without Triton
+    triton = None
 
 # The Gluon API the kernels are written against (list-form `warp_specialize`, `warpgroup_mma_wait(deps=...)`)
 FIRST_TRITON = Version("3.6")
 # What a Gluon front end that does not match a kernel raises while compiling it (before anything runs)
-FRONTEND_ERRORS = (triton.CompilationError, TypeError, AttributeError, NotImplementedError)
+FRONTEND_ERRORS = (TypeError, AttributeError, NotImplementedError) + ((triton.CompilationError, ) if triton else ())
 
 gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
-if Version(triton.__version__).release >= FIRST_TRITON.release:
+if triton is not None and Version(triton.__version__).release >= FIRST_TRITON.release:
     try:
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
@@ -48,5 +52,5 @@ class KernelSwitch:
     def disable(self, error: Exception) -> None:
         if not self.why:
             self.why.append(f"{type(error).__name__}: {error}")
-            warnings.warn(f"the {self.kernel} failed to compile with Triton {triton.__version__} "
+            warnings.warn(f"the {self.kernel} failed to compile with Triton {getattr(triton, '__version__', '?')} "
                           f"({self.why[0][:300]}); using the Triton kernel instead", stacklevel=3)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from megatron_muon.kernels.gluon_support import (FRONTEND_ERRORS, KernelSwitch, TensorDescriptor,  # noqa: F401
                                                  fence_async_shared, gl, gluon, is_hopper, mbarrier, tma,
@@ -333,7 +332,7 @@ def _outputs(key: torch.Tensor, value: torch.Tensor, want_boundary: bool):
     the launch grid (value blocks, batch·heads)."""
     batch, seq_len, heads, key_dim = key.shape
     value_dim = value.shape[-1]
-    states = key.new_empty(batch, triton.cdiv(seq_len, CHUNK), heads, value_dim, key_dim)
+    states = key.new_empty(batch, -(-seq_len // CHUNK), heads, value_dim, key_dim)
     boundary = key.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if want_boundary else None
     return (states, torch.empty_like(value), boundary), (value_dim // BLOCK_V, batch * heads)
 

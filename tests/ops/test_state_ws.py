@@ -3,6 +3,8 @@ fallback to the Triton kernels, and on a Hopper GPU their outputs against FLA's,
 recurrences."""
 
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -55,6 +57,16 @@ def test_kernels_compile_for_hopper_within_shared_memory(key_dim, dtype):
     for kernel in (forward, backward):
         assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.(bf16|f16)", kernel.asm["ptx"])
+
+
+def test_the_gdn_ops_import_without_triton():
+    """The Gluon kernels' module sits on the GDN ops' import path; without Triton it turns itself off."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import megatron_muon.ops.gdn\n"
+            "from megatron_muon.ops import state_ws\n"
+            "assert state_ws.gluon is None and not state_ws.SWITCH.available()\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_cpu_tensors_are_never_ready():
