@@ -120,9 +120,9 @@ if gluon is not None:
         return s0, s1, s2, s3
 
     @gluon.jit
-    def _state_io(src, dst, i_bh, i_v, s0, s1, s2, s3, LOAD: gl.constexpr, SIGN: gl.constexpr, V: gl.constexpr,
+    def _state_io(ptr, i_bh, i_v, s0, s1, s2, s3, LOAD: gl.constexpr, SIGN: gl.constexpr, V: gl.constexpr,
                   K: gl.constexpr):
-        """Load SIGN·(a [V, K] fp32 state's key slices) from `src` (LOAD) or store SIGN·slices to `dst`. The
+        """Load SIGN·(a [V, K] fp32 state's key slices) from `ptr` (LOAD) or store SIGN·slices there. The
         offsets are built here, not kept across the chunk loop, where registers are short."""
         NS: gl.constexpr = K // 64
         layout: gl.constexpr = s0.type.layout
@@ -131,19 +131,19 @@ if gluon is not None:
         o_v = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
         state = (i_bh * V + o_v[None, :]).to(gl.int64) * K + o_k[:, None]  # slice 0, key-major
         if LOAD:
-            s0 += gl.load(src + state) * SIGN
+            s0 += gl.load(ptr + state) * SIGN
             if NS > 1:
-                s1 += gl.load(src + state + 64) * SIGN
+                s1 += gl.load(ptr + state + 64) * SIGN
             if NS > 2:
-                s2 += gl.load(src + state + 128) * SIGN
-                s3 += gl.load(src + state + 192) * SIGN
+                s2 += gl.load(ptr + state + 128) * SIGN
+                s3 += gl.load(ptr + state + 192) * SIGN
         else:
-            gl.store(dst + state, s0 * SIGN)
+            gl.store(ptr + state, s0 * SIGN)
             if NS > 1:
-                gl.store(dst + state + 64, s1 * SIGN)
+                gl.store(ptr + state + 64, s1 * SIGN)
             if NS > 2:
-                gl.store(dst + state + 128, s2 * SIGN)
-                gl.store(dst + state + 192, s3 * SIGN)
+                gl.store(ptr + state + 128, s2 * SIGN)
+                gl.store(ptr + state + 192, s3 * SIGN)
         return s0, s1, s2, s3
 
     @gluon.jit
@@ -177,7 +177,7 @@ if gluon is not None:
         s0 = gl.zeros([64, BV], gl.float32, acc_layout)
         s1, s2, s3 = s0, s0, s0
         if USE_INITIAL_STATE:
-            s0, s1, s2, s3 = _state_io(h0, h0, i_bh, i_v, s0, s1, s2, s3, True, 1.0, V, K)
+            s0, s1, s2, s3 = _state_io(h0, i_bh, i_v, s0, s1, s2, s3, True, 1.0, V, K)
         o_t = gl.arange(0, 64, layout=rows_layout)
         b_g, b_g_last, _, _ = _chunk_rows(g, g, g, row0, 0, T, o_t, o_v, i_h, H, V, False)
         for i_t in range(NT):
@@ -206,7 +206,7 @@ if gluon is not None:
             b_g, b_g_last = g_next, g_last_next
         tma.store_wait(0)
         if STORE_FINAL_STATE:
-            _state_io(ht, ht, i_bh, i_v, s0, s1, s2, s3, False, 1.0, V, K)
+            _state_io(ht, i_bh, i_v, s0, s1, s2, s3, False, 1.0, V, K)
 
     @gluon.jit
     def _chunk_state_fwd_ws_kernel(k_desc, w_desc, u_desc, h_desc, v_desc, g, h0, ht, T, NT, H: gl.constexpr,
@@ -253,7 +253,7 @@ if gluon is not None:
         m0 = gl.zeros([64, BV], gl.float32, acc_layout)  # M = −dhᵀ, key-major slices
         m1, m2, m3 = m0, m0, m0
         if USE_FINAL_STATE_GRADIENT:
-            m0, m1, m2, m3 = _state_io(dht, dht, i_bh, i_v, m0, m1, m2, m3, True, -1.0, V, K)
+            m0, m1, m2, m3 = _state_io(dht, i_bh, i_v, m0, m1, m2, m3, True, -1.0, V, K)
         o_t = gl.arange(0, 64, layout=rows_layout)
         value_cols = i_h * V + o_v
         b_g, b_g_last, b_do, b_dv = _chunk_rows(do, dv, g, row0, (NT - 1) * 64, T, o_t, value_cols, i_h, H, V, True)
@@ -282,7 +282,7 @@ if gluon is not None:
             b_g, b_g_last, b_do, b_dv = upcoming
         tma.store_wait(0)
         if USE_INITIAL_STATE:
-            _state_io(dh0, dh0, i_bh, i_v, m0, m1, m2, m3, False, -1.0, V, K)
+            _state_io(dh0, i_bh, i_v, m0, m1, m2, m3, False, -1.0, V, K)
 
     @gluon.jit
     def _chunk_state_bwd_ws_kernel(q_desc, k_desc, w_desc, dh_desc, dv2_desc, do, dv, g, dht, dh0, scale, T, NT,
