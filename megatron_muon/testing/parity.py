@@ -8,6 +8,10 @@ reference layout's run of the same model and precision. Usage:
     torchrun --standalone --nproc-per-node 8 -m megatron_muon.testing.parity run --layout 2,2,2 \\
         --model gpt --precision bf16 --optimizer dist_muon --steps 20 --out DIR
     python -m megatron_muon.testing.parity compare DIR --reference 1,1,1
+
+Checkpoints that reshard: `run --layout 2,1,2 --save-at 10 --checkpoint CKPT` trains 20 steps and saves after 10;
+`run --layout 1,1,4 4,1,1 --resume CKPT` loads that checkpoint on other layouts and trains steps 11-20 (run files
+`*_resumed.pt`); `compare DIR --reference 2,1,2` then holds every resumed run to the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 # layout exactness is fp64's check; bf16's bound is for `--reference same` (megatron's Muon at the same layout).
 DEFAULT_RTOL = {"fp32": 2e-3, "bf16": 3e-2, "fp64": 1e-6}
 SEED = 1234
+SAVED_STEP_FILE = "parity_step.txt"
 # The tiny models with as many key/value heads as attention heads, so that every tp up to 4 divides them; the
 # reference run uses the same shapes, so layouts stay comparable.
 MAX_TP, MAX_PP = 4, 2
@@ -47,9 +52,24 @@ def parse_layout(text: str) -> tuple[int, int, int]:
     return tp, pp, dp
 
 
-def run_file_name(model: str, precision: str, optimizer: str, layout: tuple[int, int, int]) -> str:
+def run_file_name(model: str, precision: str, optimizer: str, layout: tuple[int, int, int],
+                  resumed: bool = False) -> str:
     tp, pp, dp = layout
-    return f"{model}_{precision}_{optimizer}_tp{tp}pp{pp}dp{dp}.pt"
+    return f"{model}_{precision}_{optimizer}_tp{tp}pp{pp}dp{dp}{'_resumed' if resumed else ''}.pt"
+
+
+def checkpoint_directory(root: str | Path, model: str, precision: str, optimizer: str) -> Path:
+    """Where `--save-at` writes (and `--resume` reads) the checkpoint of one model, precision and optimizer."""
+    return Path(root) / f"{model}_{precision}_{optimizer}"
+
+
+def _saved_step(directory: Path) -> int:
+    """The step a `--save-at` checkpoint was written after (a dist checkpoint alone does not record it)."""
+    marker = directory / SAVED_STEP_FILE
+    if not marker.is_file():
+        raise ValueError(f"{directory} holds no parity checkpoint ({SAVED_STEP_FILE} missing); write one with "
+                         "`parity run --save-at K --checkpoint ROOT` using the same model, precision and optimizer")
+    return int(marker.read_text())
 
 
 def command(ranks: int | None = None) -> list[str]:
@@ -113,12 +133,21 @@ def run(args: argparse.Namespace) -> int:
     layouts = [parse_layout(text) for text in args.layout]
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if (args.save_at is None) != (args.checkpoint is None):
+        raise ValueError("--save-at K and --checkpoint DIR go together: save after step K into DIR")
+    if args.save_at is not None and not (0 < args.save_at < args.steps and len(layouts) == 1 and not args.resume):
+        raise ValueError(f"--save-at needs 0 < K < --steps ({args.steps}), one --layout and no --resume; got "
+                         f"K={args.save_at} with {len(layouts)} layouts")
     for tp, pp, dp in layouts:
         if args.global_microbatches % dp != 0:
             raise ValueError(f"--global-microbatches {args.global_microbatches} must be divisible by dp={dp}")
         check_launch((tp, pp, dp))
-    for layout in layouts:
-        run_layout(args, layout)
+    for model in args.model:
+        for precision in args.precision:
+            if args.resume:  # before any training: a missing checkpoint fails the launch at once
+                _saved_step(checkpoint_directory(args.resume, model, precision, args.optimizer))
+            for layout in layouts:
+                run_layout(args, layout, model, precision)
     shutdown_distributed()
     return 0
 
@@ -132,28 +161,35 @@ def _megatron_version() -> str:
         return "unknown"
 
 
-def run_layout(args: argparse.Namespace, layout: tuple[int, int, int]) -> None:
+def run_layout(args: argparse.Namespace, layout: tuple[int, int, int], model_name: str, precision: str) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_muon.megatron.checkpointing import load_checkpoint, save_checkpoint
     from megatron_muon.testing.training import build_muon_setup, train_step
     from megatron_muon.training.distributed import init_distributed
 
     tp, pp, dp = layout
     context = init_distributed(tp, pp)
-    if args.precision == "fp64":  # FLA's GDN kernels have no fp64; the torch GDN ops iterate in the input dtype
+    if precision == "fp64":  # FLA's GDN kernels have no fp64; the torch GDN ops iterate in the input dtype
         from megatron_muon.ops.backend import set_backend
 
         set_backend("torch")
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
-    model, optimizer = build_muon_setup(args.optimizer, args.precision, args.model, lr=args.lr,
-                                        config_overrides=TP_READY_SIZES[args.model])
+    model, optimizer = build_muon_setup(args.optimizer, precision, model_name, lr=args.lr,
+                                        config_overrides=TP_READY_SIZES[model_name])
+    first_step = 0
+    if args.resume:
+        source = checkpoint_directory(args.resume, model_name, precision, args.optimizer)
+        first_step = _saved_step(source)
+        load_checkpoint(model, optimizer, source)
     backend = torch.distributed.get_backend()
     if context.is_main:
-        print(f"parity run: {args.model} {args.precision} {args.optimizer} tp={tp} pp={pp} dp={dp} "
-              f"on {context.world_size} x {context.device_name} ({backend})", flush=True)
+        print(f"parity run: {model_name} {precision} {args.optimizer} tp={tp} pp={pp} dp={dp} "
+              f"on {context.world_size} x {context.device_name} ({backend})"
+              + (f", resumed after step {first_step}" if args.resume else ""), flush=True)
     losses = []
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         start = time.perf_counter()
         loss = _pipeline_loss(train_step(model, optimizer, step, global_microbatches=args.global_microbatches),
                               context.device)
@@ -161,13 +197,18 @@ def run_layout(args: argparse.Namespace, layout: tuple[int, int, int]) -> None:
         if context.is_main:
             print(f"step {step + 1:3d}/{args.steps}  loss {loss:.6f}  {time.perf_counter() - start:.3f} s",
                   flush=True)
+        if args.save_at == step + 1:
+            target = checkpoint_directory(args.checkpoint, model_name, precision, args.optimizer)
+            save_checkpoint(model, optimizer, target)
+            if context.is_main:
+                (target / SAVED_STEP_FILE).write_text(f"{step + 1}\n")
     params = _gather_full_parameters(model)
     if context.is_main:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / run_file_name(args.model, args.precision, args.optimizer, layout)
+        path = out / run_file_name(model_name, precision, args.optimizer, layout, resumed=bool(args.resume))
         record = dict(
-            model=args.model, precision=args.precision, optimizer=args.optimizer,
+            model=model_name, precision=precision, optimizer=args.optimizer, first_step=first_step,
             layout=dict(tp=tp, pp=pp, dp=dp), world_size=context.world_size, backend=backend,
             device=context.device_name, steps=args.steps, global_microbatches=args.global_microbatches,
             lr=args.lr, torch_version=str(torch.__version__), megatron_core_version=_megatron_version(),
@@ -199,6 +240,7 @@ def _compare_run(record: dict, reference: dict, rtol: float) -> dict:
     for key in ("steps", "global_microbatches", "lr"):
         if record[key] != reference[key]:
             return dict(status="FAIL", note=f"{key} {record[key]} != reference {reference[key]}")
+    first_step = record.get("first_step", 0)  # a resumed run holds the losses of the steps after its checkpoint
     params, reference_params = record["params"], reference["params"]
     if params.keys() != reference_params.keys():
         difference = sorted(params.keys() ^ reference_params.keys())
@@ -208,7 +250,7 @@ def _compare_run(record: dict, reference: dict, rtol: float) -> dict:
         return dict(status="FAIL", note=f"shapes differ: {shapes[:3]}")
     worst, error = max_relative_error(reference_params, params)
     losses = torch.tensor(record["losses"], dtype=torch.float64)
-    reference_losses = torch.tensor(reference["losses"], dtype=torch.float64)
+    reference_losses = torch.tensor(reference["losses"][first_step:], dtype=torch.float64)
     loss_error = float(((losses - reference_losses).abs() / reference_losses.abs().clamp_min(1e-12)).max())
     finite = all(bool(t.isfinite().all()) for t in params.values()) and bool(losses.isfinite().all())
     passed = finite and error <= rtol and loss_error <= rtol
@@ -221,10 +263,10 @@ def _pick_reference(runs: dict[Path, dict], record: dict, layout) -> tuple[Path,
     `layout` None, the `muon` run of the record's own layout (isolates the optimizer from layout rounding)."""
     if layout is None:
         candidates = [(path, r) for path, r in runs.items() if _layout_of(r) == _layout_of(record)
-                      and r["optimizer"] == "muon" and record["optimizer"] != "muon"
+                      and r["optimizer"] == "muon" and record["optimizer"] != "muon" and not r.get("first_step")
                       and (r["model"], r["precision"]) == (record["model"], record["precision"])]
         return candidates[0] if candidates else None
-    candidates = [(path, r) for path, r in runs.items() if _layout_of(r) == layout
+    candidates = [(path, r) for path, r in runs.items() if _layout_of(r) == layout and not r.get("first_step")
                   and (r["model"], r["precision"]) == (record["model"], record["precision"])]
     candidates.sort(key=lambda item: (item[1]["optimizer"] != record["optimizer"], item[0].name))
     return candidates[0] if candidates else None
@@ -285,8 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser = commands.add_parser("run", help="train one layout (launch with torchrun) and save its parameters")
     run_parser.add_argument("--layout", required=True, nargs="+",
                             help="TP,PP,DP, e.g. 2,1,4; several layouts of the launch's world size run in turn")
-    run_parser.add_argument("--model", choices=("gpt", "hybrid"), default="gpt")
-    run_parser.add_argument("--precision", choices=("fp32", "bf16", "fp64"), default="fp32",
+    run_parser.add_argument("--model", choices=("gpt", "hybrid"), nargs="+", default=["gpt"],
+                            help="one or more; each model runs every precision and layout in turn")
+    run_parser.add_argument("--precision", choices=("fp32", "bf16", "fp64"), nargs="+", default=["fp32"],
                             help="fp64: float64 parameters, gradients, momentum, Newton–Schulz and loss, no "
                                  "gradient clipping (megatron clips fp32 gradients only)")
     run_parser.add_argument("--optimizer", choices=("dist_muon", "muon"), default="dist_muon")
@@ -295,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="micro-batches per step over all dp ranks (divisible by dp; same for every layout)")
     run_parser.add_argument("--lr", type=float, default=0.01)
     run_parser.add_argument("--out", required=True, help="directory for the run file")
+    run_parser.add_argument("--save-at", type=int, default=None, metavar="K",
+                            help="save a checkpoint after step K (with --checkpoint; one layout) and keep training")
+    run_parser.add_argument("--checkpoint", default=None, metavar="DIR", help="where --save-at writes")
+    run_parser.add_argument("--resume", default=None, metavar="DIR",
+                            help="load the --save-at checkpoint under DIR and train the steps after it")
     compare_parser = commands.add_parser("compare", help="compare every run in a directory with the reference")
     compare_parser.add_argument("directory")
     compare_parser.add_argument("--reference", default="1,1,1",
