@@ -27,6 +27,21 @@ from megatron_muon.megatron.owner_distopt import (
 )
 from megatron_muon.megatron.owner_grad_sync import install_owner_grad_sync, muon_bucket_groups
 
+# How the engines built from now on choose owners (`set_owner_plan`); empty: OwnerMuon's defaults.
+_owner_plan: dict = {}
+
+
+def set_owner_plan(method: str = "auto", cost_model=None) -> None:
+    """Owner planning for `dist_muon` optimizers built after this call: `method` "auto", "milp" or "lpt" (see
+    `distributed.plan.plan_owners`); `cost_model` None (Newton–Schulz FLOPs), "profile" (each shape timed once on
+    the device at the first step) or a `distributed.plan.CostModel`."""
+    if method not in ("auto", "milp", "lpt"):
+        raise ValueError(f"owner plan method must be 'auto', 'milp' or 'lpt', got {method!r}")
+    if isinstance(cost_model, str) and cost_model != "profile":
+        raise ValueError(f"cost_model must be None, 'profile' or a CostModel, got {cost_model!r}")
+    _owner_plan.clear()
+    _owner_plan.update(plan_method=method, cost_model=cost_model)
+
 
 def owner_muon_kwargs(config, model_chunks, pg_collection) -> dict:
     """`OwnerMuon` arguments: the `Muon` ones plus this stage's TP and DP (with context parallel) groups."""
@@ -40,6 +55,7 @@ def owner_muon_kwargs(config, model_chunks, pg_collection) -> dict:
             expert_tp_group=getattr(pg_collection, "expt_tp", None),
             expert_dp_group=getattr(pg_collection, "expt_dp", None),
         )
+    kwargs.update(_owner_plan)
     return kwargs
 
 
