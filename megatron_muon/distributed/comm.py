@@ -179,7 +179,9 @@ class UpdateDelivery:
     Round k carries the units passed to the k-th `launch`; every rank of the stage must launch the same rounds
     with the same unit lists (the plan makes them known everywhere). Inside the owner's TP row the shards move by
     one all-to-all; across rows by one all-gather that is asynchronous, so an owner can orthogonalize its next
-    bucket while the previous one travels. `finish` waits for every round and returns each unit's local shard.
+    bucket while the previous one travels. `arrived` hands back the rounds that are done, so that a caller can apply
+    and free them while later rounds travel (holding every round at once costs a full fp32 copy of all updates);
+    `finish` waits for every round and returns each unit's local shard.
     """
 
     def __init__(self, grid: StageGrid, units: Sequence[UnitShard], owners: Sequence[int], like: torch.Tensor,
@@ -187,8 +189,8 @@ class UpdateDelivery:
         self.grid, self.units, self.owners, self.like = grid, units, owners, like
         self.counter = counter
         self.local_shapes = [unit.local_shape(grid.tp_size) for unit in units]
-        self._pending: list[tuple] = []
-        self._result: list[torch.Tensor | None] = [None] * len(units)
+        self._pending: list[tuple] = []  # per launched round: (handle, gathered, row_units, width, direct parts)
+        self._delivered = [False] * len(units)
 
     def _numel(self, u: int) -> int:
         rows, cols = self.local_shapes[u]
@@ -227,8 +229,7 @@ class UpdateDelivery:
         grid = self.grid
         row_parts = self._row_exchange(round_units, owned)
         if grid.dp_size == 1:
-            for u, part in row_parts.items():
-                self._result[u] = part
+            self._pending.append((None, None, [], 0, row_parts))
             return
         row_units = [[u for u in round_units if grid.row_of(self.owners[u]) == r] for r in range(grid.dp_size)]
         numels = [sum(self._numel(u) for u in us) for us in row_units]
@@ -243,22 +244,38 @@ class UpdateDelivery:
         handle = dist.all_gather_into_tensor(gathered, padded, group=grid.dp_group, async_op=True)
         if self.counter is not None:
             self.counter.record("update_all_gather", gathered.numel(), gathered.element_size())
-        self._pending.append((handle, gathered, row_units, width))
+        self._pending.append((handle, gathered, row_units, width, {}))
 
-    def finish(self) -> list[torch.Tensor]:
-        """Every unit's local shard, once all launched rounds have arrived."""
-        for handle, gathered, row_units, width in self._pending:
-            handle.wait()
+    def arrived(self, keep: int = 0) -> dict[int, torch.Tensor]:
+        """{unit: local shard} of every launched round but the newest `keep` (which may still travel); each round
+        is handed back once. The current stream waits for them; the CPU does not."""
+        split = max(len(self._pending) - keep, 0)
+        done, self._pending = self._pending[:split], self._pending[split:]
+        parts: dict[int, torch.Tensor] = {}
+        for handle, gathered, row_units, width, direct in done:
+            parts.update(direct)
+            if handle is not None:
+                handle.wait()
             for r, us in enumerate(row_units):
                 offset = r * width
                 for u in us:
                     n = self._numel(u)
-                    self._result[u] = gathered[offset : offset + n].view(self.local_shapes[u])
+                    parts[u] = gathered[offset : offset + n].view(self.local_shapes[u])
                     offset += n
-        self._pending = []
-        missing = [u for u, t in enumerate(self._result) if t is None]
-        assert not missing, f"units {missing[:5]} were never launched"
-        return self._result  # type: ignore[return-value]
+        for u in parts:
+            assert not self._delivered[u], f"unit {u} was delivered twice"
+            self._delivered[u] = True
+        return parts
+
+    def finish(self) -> list[torch.Tensor]:
+        """Every unit's local shard, once all launched rounds have arrived (none may have been taken by `arrived`)."""
+        parts = self.arrived()
+        missing = [u for u in range(len(self.units)) if u not in parts]
+        assert not missing, f"units {missing[:5]} were never launched or were already handed back"
+        return [parts[u] for u in range(len(self.units))]
+
+    def undelivered(self) -> list[int]:
+        return [u for u, done in enumerate(self._delivered) if not done]
 
 
 def scatter_from_owners(

@@ -357,27 +357,33 @@ class OwnerMuon(Muon):
             new = muon_math.momentum_update_([full_grads[u] for u in members], buffers, group["momentum"],
                                              group["nesterov"])
             updates.update(zip(members, new))
+        for gi, group in enumerate(self.param_groups if not fused else ()):  # fused: decay is in the update pass
+            members = [i for i, g in enumerate(group_of) if g == gi]  # before any update lands: decay, then step
+            muon_math.apply_weight_decay_([params[i] for i in members], lr=group["lr"],
+                                          weight_decay=group["weight_decay"], mode=group["weight_decay_mode"])
         like = grads[0] if grads else params[0]
         param_dtypes = [p.dtype for p in params]
         delivery = UpdateDelivery(self.grid, shards, self.owners, like, self.comm_counter)
         for round_units in self._rounds(group_of_unit):  # each owner bucket leaves as soon as it is orthogonalized
-            mine = {u: updates[u] for u in round_units if u in updates}
+            mine = {u: updates.pop(u) for u in round_units if u in updates}
             delivery.launch(round_units, self._orthogonalize_owned(mine, group_of_unit, param_dtypes) if mine else {})
+            # the previous round has travelled while this one was orthogonalized: apply it and free its buffer
+            self._apply_delivered(delivery.arrived(keep=1), params, group_of, fused)
+        self._apply_delivered(delivery.arrived(), params, group_of, fused)
+        assert not delivery.undelivered(), f"units {delivery.undelivered()[:5]} got no update"
+        return loss
 
-        for gi, group in enumerate(self.param_groups if not fused else ()):  # fused: decay is in the update pass
-            members = [i for i, g in enumerate(group_of) if g == gi]  # local work while the last rounds travel
-            muon_math.apply_weight_decay_([params[i] for i in members], lr=group["lr"],
-                                          weight_decay=group["weight_decay"], mode=group["weight_decay_mode"])
-        local = delivery.finish()
+    def _apply_delivered(self, parts: dict[int, torch.Tensor], params, group_of: list[int], fused: bool) -> None:
+        """Apply the delivered local update shards {unit: shard}; units partition each parameter, so each part of
+        a parameter is decayed (fused) and updated exactly once per step."""
         by_scale: dict[tuple[int, float], tuple[list, list]] = defaultdict(lambda: ([], []))
-        for unit, chunk in zip(self._units, local):
-            param = params[unit.param_index]
+        for u, chunk in sorted(parts.items()):
+            unit = self._units[u]
             group = self.param_groups[group_of[unit.param_index]]
-            target = piece_views(param, self._layouts[unit.param_index])[unit.piece][unit.expert]
+            target = piece_views(params[unit.param_index], self._layouts[unit.param_index])[unit.piece][unit.expert]
             scale = muon_math.update_scale(unit.shard.full_shape, group["scale_mode"], group["extra_scale"])
             targets, chunks = by_scale[(group_of[unit.param_index], scale)]
             targets.append(target)
             chunks.append(chunk.view(target.shape))
         for (gi, scale), (targets, chunks) in by_scale.items():
-            self._apply_updates(gi, targets, chunks, scale, fused)  # units partition each parameter: decay once
-        return loss
+            self._apply_updates(gi, targets, chunks, scale, fused)

@@ -32,6 +32,17 @@ TE_INSTALL_HINT = (
 )
 _CUDNN_ONLY = [SDPBackend.CUDNN_ATTENTION]
 _MATH_ONLY = [SDPBackend.MATH]
+_FULL_PRECISION_GPU = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(query: torch.Tensor) -> list:
+    """cuDNN for 16-bit inputs on the GPU (the fast path, pinned so that no slower kernel is picked silently);
+    cuDNN has no fp32/fp64 attention, so those take the memory-efficient kernel (fp32) or the math one."""
+    if not query.is_cuda:
+        return _MATH_ONLY
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return _CUDNN_ONLY
+    return _FULL_PRECISION_GPU
 
 
 def force_te_fused_attention(config) -> None:
@@ -148,7 +159,7 @@ class SDPADotProductAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         # Like megatron's DotProductAttention: dropout on TP-split heads draws from the model-parallel RNG stream.
         rng = get_cuda_rng_tracker().fork() if dropout_p > 0 and not self.config.sequence_parallel else nullcontext()
-        with rng, sdpa_kernel(_CUDNN_ONLY if query.is_cuda else _MATH_ONLY):
+        with rng, sdpa_kernel(sdpa_backends(q)):
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale
             )

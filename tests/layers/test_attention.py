@@ -138,3 +138,22 @@ def test_sdpa_attention_runs_cudnn_on_gpu():
         exact = module(*(t.detach().float().cpu() for t in (q, k, v)), None)
         fast = module(q, k, v, None).float().cpu()
     torch.testing.assert_close(fast, exact, rtol=2e-2, atol=2e-2)
+
+
+def test_sdpa_backends_pin_cudnn_for_16_bit_gpu_inputs_only():
+    from torch.nn.attention import SDPBackend
+
+    from megatron_muon.layers.attention import sdpa_backends
+
+    class FakeCuda:  # dtype and device are all the choice reads
+        is_cuda = True
+
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+    assert sdpa_backends(FakeCuda(torch.bfloat16)) == [SDPBackend.CUDNN_ATTENTION]
+    assert sdpa_backends(FakeCuda(torch.float16)) == [SDPBackend.CUDNN_ATTENTION]
+    for dtype in (torch.float32, torch.float64):  # cuDNN has no full-precision attention: no kernel would run
+        assert SDPBackend.CUDNN_ATTENTION not in sdpa_backends(FakeCuda(dtype))
+        assert SDPBackend.MATH in sdpa_backends(FakeCuda(dtype))
+    assert sdpa_backends(torch.zeros(1, dtype=torch.bfloat16)) == [SDPBackend.MATH]

@@ -134,6 +134,31 @@ def test_the_muon_clip_fold_needs_the_fused_momentum_pass(rank_pool_1):
     assert rank_pool_1.run(_muon_fold_on_cpu) == [0]  # on CPU Muon's momentum is foreach: megatron keeps the clip
 
 
+def _fused_muon_wrappers_if_fused(rank, world_size, name):
+    import megatron_muon
+    from megatron_muon.megatron.muon_wrappers import fused_muon_wrappers
+    from megatron_muon.optimizer import fused_elementwise
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.testing.training import build_training_setup
+
+    megatron_muon.register()
+    init_model_parallel(1, 1)
+    _, optimizer = build_training_setup(name, bf16=True)
+    real = fused_elementwise.use_fused
+    fused_elementwise.use_fused = lambda *args, **kwargs: True  # as on a GPU with Triton
+    try:
+        return len(fused_muon_wrappers(optimizer))
+    finally:
+        fused_elementwise.use_fused = real
+
+
+def test_the_muon_fast_paths_leave_dist_muon_to_megatrons_clip_and_copy(rank_pool_1):
+    """dist_muon's owner engine reads no deferred clip factor and writes no model copies: were its wrapper taken
+    over, its gradients would go unclipped and its bf16 weights would never change."""
+    assert rank_pool_1.run(_fused_muon_wrappers_if_fused, "muon") == [1]
+    assert rank_pool_1.run(_fused_muon_wrappers_if_fused, "dist_muon") == [0]
+
+
 def _train_muon_on_gpu(fold: bool, model_copy: bool = False):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
