@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import package_versions  # noqa: E402
 from e2e import _free_memory, _git_revision, build_rung, compile_stats, train_steps  # noqa: E402
+from e2e_report import write_profile  # noqa: E402
 from e2e_rungs import Rung  # noqa: E402
 
 
@@ -161,6 +162,11 @@ def run_variant(base_recipe, variant: Variant, ctx, args, timer: NewtonSchulzTim
         timer.active = True
         records += train_steps(model, optimizer, batches, recipe, args.steps - args.warmup, args.warmup)
         timer.active = False
+        if args.profile == variant.key and ctx.is_main:  # rank 0's kernels over two more steps (the others run them)
+            write_profile(args.out.with_name(f"{args.out.stem}_profile_{variant.key}.md"), rung,
+                          lambda: train_steps(model, optimizer, batches, recipe, 2, args.steps))
+        elif args.profile == variant.key:
+            train_steps(model, optimizer, batches, recipe, 2, args.steps)
         timed = records[args.warmup:]
         step_s = statistics.median(f + o for f, o, _, _ in timed)
         tokens_per_gpu = recipe.model.seq_length
@@ -247,6 +253,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/dist_step.md"))
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/megatron_muon_e2e_data"))
     parser.add_argument("--revision", default=None)
+    parser.add_argument("--profile", default=None, metavar="VARIANT",
+                        help="profile two more steps of this variant on rank 0 (kernel table next to --out)")
     args = parser.parse_args(argv)
     keys = [k.strip() for k in args.variants.split(",") if k.strip()]
     unknown = [k for k in keys if k not in VARIANTS]
