@@ -207,7 +207,8 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
     adam, upstream = by_key.get("adam"), by_key.get("upstream")
     lines = [f"# Data-parallel training step on {meta['world']} GPUs: {meta['recipe']}", "",
              f"- date: {meta['date']}; code: {meta['revision']}",
-             f"- device: {meta['world']} x {meta['device']}, {meta['backend']}, one process per device, dp={meta['world']}; "
+             f"- device: {meta['world']} x {meta['device']}, {meta['backend']}, one process per device, "
+             f"dp={meta['world']}; "
              + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
              f"- command: `{meta['command']}`",
              f"- batch: one sequence of {meta['seq_length']} tokens per GPU per step; {meta['steps']} steps per "

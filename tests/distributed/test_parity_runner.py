@@ -180,7 +180,8 @@ def test_checkpoint_saved_on_one_layout_resumes_on_others(tmp_path):
     compared = _parity("compare", str(tmp_path), "--reference", "2,1,1")
     assert compared.returncode == 0, compared.stdout + compared.stderr
     assert "4 of 4 runs match the reference" in compared.stdout
-    same_layout = next(line for line in compared.stdout.splitlines() if line.startswith("gpt_fp64_dist_muon_tp2pp1dp1_"))
+    same_layout = next(line for line in compared.stdout.splitlines()
+                       if line.startswith("gpt_fp64_dist_muon_tp2pp1dp1_"))
     assert " 0.000e+00    0.000e+00 " in same_layout, same_layout
 
     # a resume from a directory without a parity checkpoint fails before training
