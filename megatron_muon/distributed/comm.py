@@ -236,7 +236,7 @@ class UpdateDelivery:
         width = max(numels)
         if width == 0:
             return
-        padded = self.like.new_zeros(width)
+        padded = self.like.new_empty(width)  # the padding is sent but never read
         mine = [row_parts[u].reshape(-1) for u in row_units[grid.dp_index]]
         if mine:
             torch.cat(mine, out=padded[: numels[grid.dp_index]])

@@ -361,7 +361,7 @@ class OwnerMuon(Muon):
             members = [i for i, g in enumerate(group_of) if g == gi]  # before any update lands: decay, then step
             muon_math.apply_weight_decay_([params[i] for i in members], lr=group["lr"],
                                           weight_decay=group["weight_decay"], mode=group["weight_decay_mode"])
-        like = grads[0] if grads else params[0]
+        like = self._delivery_like(grads[0] if grads else params[0], params, group_of_unit)
         param_dtypes = [p.dtype for p in params]
         delivery = UpdateDelivery(self.grid, shards, self.owners, like, self.comm_counter)
         for round_units in self._rounds(group_of_unit):  # each owner bucket leaves as soon as it is orthogonalized
@@ -372,6 +372,16 @@ class OwnerMuon(Muon):
         self._apply_delivered(delivery.arrived(), params, group_of, fused)
         assert not delivery.undelivered(), f"units {delivery.undelivered()[:5]} got no update"
         return loss
+
+    def _delivery_like(self, like: torch.Tensor, params, group_of_unit: list[int]) -> torch.Tensor:
+        """Updates travel in the owners' result dtype when that is one 16-bit dtype (fp32 targets get the iteration
+        dtype, see `_orthogonalize_owned`): half the bytes of fp32, nothing lost. Else in the gradients' dtype."""
+        if any(p.dtype != torch.float32 for p in params):
+            return like
+        pairs = {(u.shard.full_shape, self.param_groups[g]["method"]) for u, g in zip(self._units, group_of_unit)}
+        dtypes = {work_dtype(torch.empty(shape, device="meta"), method, self.compute_dtype) for shape, method in pairs}
+        dtype = dtypes.pop() if len(dtypes) == 1 else like.dtype
+        return like.new_empty(0, dtype=dtype) if dtype.itemsize == 2 else like
 
     def _apply_delivered(self, parts: dict[int, torch.Tensor], params, group_of: list[int], fused: bool) -> None:
         """Apply the delivered local update shards {unit: shard}; units partition each parameter, so each part of

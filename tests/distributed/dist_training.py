@@ -147,6 +147,7 @@ def train_pair(rank, world_size, tp: int, pp: int, precision: str, model: str, s
                 "collective_numel_per_step": {k: v / (steps - 1) for k, v in counts.items()},
                 "comm_calls": [dict(e.comm_counter.calls) for e in engines],
                 "comm_numel": [dict(e.comm_counter.numel) for e in engines],
+                "comm_bytes": [dict(e.comm_counter.bytes) for e in engines],
                 "rounds": [len(e._rounds([e._params_in_order()[1][u.param_index] for u in e._units])) for e in engines],
                 "muon_numel": sum(p.numel() for e in engines for p in e.managed_parameters()),
                 "param_numel": sum(p.numel() for p in model_.parameters() if p.requires_grad),

@@ -63,10 +63,10 @@ def _check_same_layout(pools, layout, model, precision, steps, overlap_grad_redu
     assert matrices > 0
     assert sum(r["dist_muon"]["orthogonalized"] for r in results) == matrices * steps
     if dp > 1:
-        _check_gradient_traffic(results, steps)
+        _check_gradient_traffic(results, steps, precision)
 
 
-def _check_gradient_traffic(results, steps):
+def _check_gradient_traffic(results, steps, precision):
     """Muon gradients cross data parallelism only in a reduce-scatter; the all-reduce carries the rest."""
     for result in results:
         dist_muon, muon = result["dist_muon"], result["muon"]
@@ -83,6 +83,9 @@ def _check_gradient_traffic(results, steps):
         # updates return in one all-gather per round of owner buckets (test_owner_muon checks several rounds)
         calls = sum(c.get("update_all_gather", 0) for c in dist_muon["comm_calls"]) / (steps - 1)
         assert 1 <= calls <= sum(dist_muon["rounds"])
+        # bf16 training: the owners' Newton–Schulz results are fp16 already and travel as fp16, half of fp32's bytes
+        gathered = [sum(c.get("update_all_gather", 0) for c in dist_muon[key]) for key in ("comm_numel", "comm_bytes")]
+        assert gathered[0] > 0 and gathered[1] == gathered[0] * (2 if precision == "bf16" else 4)
 
 
 @pytest.mark.parametrize("layout,model,precision", CI_CASES, ids=lambda v: str(v))
