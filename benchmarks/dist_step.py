@@ -162,11 +162,12 @@ def run_variant(base_recipe, variant: Variant, ctx, args, timer: NewtonSchulzTim
         timer.active = True
         records += train_steps(model, optimizer, batches, recipe, args.steps - args.warmup, args.warmup)
         timer.active = False
-        if args.profile == variant.key and ctx.is_main:  # rank 0's kernels over two more steps (the others run them)
-            write_profile(args.out.with_name(f"{args.out.stem}_profile_{variant.key}.md"), rung,
-                          lambda: train_steps(model, optimizer, batches, recipe, 2, args.steps))
-        elif args.profile == variant.key:
-            train_steps(model, optimizer, batches, recipe, 2, args.steps)
+        if args.profile == variant.key:  # two more steps on every rank; rank 0 records its kernels
+            more_steps = lambda: train_steps(model, optimizer, batches, recipe, 2, args.steps)  # noqa: E731
+            if ctx.is_main:
+                write_profile(args.out.with_name(f"{args.out.stem}_profile_{variant.key}.md"), rung, more_steps)
+            else:
+                more_steps()
         timed = records[args.warmup:]
         step_s = statistics.median(f + o for f, o, _, _ in timed)
         tokens_per_gpu = recipe.model.seq_length
