@@ -1,7 +1,7 @@
 """End-to-end ladder: the hybrid-1.5B recipe on one GPU, from megatron-core upstream to our specs and our Muon.
 
   python benchmarks/e2e.py --out benchmarks/results/e2e.md                       # every rung, one process
-  python benchmarks/e2e.py --rungs 4,6 --profile-rung 4 --out /tmp/e2e.md        # a subset, with a kernel profile
+  python benchmarks/e2e.py --rungs 4,6 --profile-rung 4,6 --out /tmp/e2e.md      # a subset, with kernel profiles
 
 Every rung rebuilds the model from the same seed and trains on the same mock batches, so the loss columns are
 comparable: AdamW rungs should agree within bf16 tolerance, and eager vs compiled on the same spec is printed as a
@@ -130,6 +130,7 @@ def compile_stats() -> dict:
 
 def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> dict:
     from megatron_muon.metrics import MfuCalculator, peak_tflops
+    from megatron_muon.ops import norm
     from megatron_muon.training.data import MicroBatches, build_train_dataset
     from megatron_muon.training.validation import model_shape
 
@@ -142,6 +143,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     start = time.perf_counter()
     model = optimizer = None
     os.environ[GDN_KERNELS_ENV_VAR] = rung.gdn_kernels  # read by the GDN ops at every call
+    norm.L2NORM_IN_COMPILED_GRAPH = rung.l2norm_in_graph  # read when the graph is traced
     try:
         model, optimizer, _ = build_rung(recipe, rung, on_gpu)
         train = recipe.training
@@ -189,7 +191,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing (compile, autotune)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e.md"))
     parser.add_argument("--append", action="store_true", help="merge into the rungs already in --out's json")
-    parser.add_argument("--profile-rung", default=None, help="profile two extra steps of this rung")
+    parser.add_argument("--profile-rung", default="", help="profile two extra steps of these rungs (comma list)")
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/megatron_muon_e2e_data"))
     parser.add_argument("--revision", default=None,
                         help="code revision recorded with each rung (default: `git describe` of this checkout)")
@@ -197,6 +199,7 @@ def main(argv=None) -> None:
     if not 0 <= args.warmup < args.steps:
         raise SystemExit(f"--warmup must be in [0, --steps), got warmup={args.warmup} steps={args.steps}")
     rungs = parse_rungs(args.rungs)
+    profiled = {r.key for r in parse_rungs(args.profile_rung)} if args.profile_rung else set()
     args.revision = args.revision or _git_revision()
 
     from megatron_muon import register
@@ -219,7 +222,7 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for rung in rungs:
         profile = args.out.with_name(args.out.stem + f"_profile_rung{rung.key}.md") \
-            if rung.key == args.profile_rung else None
+            if rung.key in profiled else None
         rows[rung.key] = run_rung(recipe, rung, ctx, args, profile)
         write_report(args.out, json_path, rows, meta)  # after every rung: a run cut short keeps its numbers
     shutdown_distributed()
