@@ -130,7 +130,6 @@ def compile_stats() -> dict:
 
 def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> dict:
     from megatron_muon.metrics import MfuCalculator, peak_tflops
-    from megatron_muon.ops import norm
     from megatron_muon.training.data import MicroBatches, build_train_dataset
     from megatron_muon.training.validation import model_shape
 
@@ -143,7 +142,6 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     start = time.perf_counter()
     model = optimizer = None
     os.environ[GDN_KERNELS_ENV_VAR] = rung.gdn_kernels  # read by the GDN ops at every call
-    norm.L2NORM_IN_COMPILED_GRAPH = rung.l2norm_in_graph  # read when the graph is traced
     try:
         model, optimizer, _ = build_rung(recipe, rung, on_gpu)
         train = recipe.training

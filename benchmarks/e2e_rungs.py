@@ -23,8 +23,6 @@ attention fit at 16k (rung 1 materializes a 16 x 16k x 16k score matrix per atte
 measured in the same run).
 `4t` is rung 4 with our Triton chunk-state kernels (`megatron_muon.ops.state_tma`) in place of the warp-specialized
 Gluon ones (`megatron_muon.ops.state_ws`; the gain of those, measured in the same run).
-`4l` is rung 4 with the q/k L2 norm kept as its custom op (FLA's kernels) in the compiled graph instead of the
-plain-torch version Inductor fuses into its neighbours (`megatron_muon.ops.norm`; the gain, measured in the same run).
 `4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
 `megatron_muon.megatron.main_grad_add.install_first_grad_overwrite`, measured in the same run).
 `4a` is rung 4 with megatron's clip multiply, torch's fused AdamW and megatron's master-to-model copy as three
@@ -61,7 +59,6 @@ class Rung:
     muon_clip_in_momentum: bool = False  # megatron's clip applied inside our Muon's fused momentum pass
     muon_model_copy: bool = False  # the bf16 model copies written by our Muon's fused update pass
     first_grad_overwrite: bool = False  # each step's first gradient overwrites DDP's buffers (no zeroing pass)
-    l2norm_in_graph: bool = True  # compiled graphs take the plain-torch q/k L2 norm (Inductor fuses it)
     gdn_kernels: str = "ours"  # GDN's chunk kernels: ours where they qualify, ours with the Triton state kernels
     # ("triton"), or FLA's everywhere ("fla")
 
@@ -80,8 +77,6 @@ RUNGS = {
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, gdn_kernels="fla"),
     "4t": Rung("4t", "rung 4 with the Triton chunk-state kernels", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, gdn_kernels="triton"),
-    "4l": Rung("4l", "rung 4 with the q/k L2 norm as its custom op", "ours", "cudnn", True, "adam", True,
-               main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, l2norm_in_graph=False),
     "4z": Rung("4z", "rung 4 with DDP's buffers zeroed every step", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True),
     "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,

@@ -17,15 +17,8 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-# Compiled graphs take the plain-torch l2norm, which Inductor fuses into the pass that produces q and k (forward)
-# and into their gradients' pass (backward); False keeps the custom op (FLA's kernels) there too.
-L2NORM_IN_COMPILED_GRAPH = True
-
-
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, in x.dtype."""
-    if L2NORM_IN_COMPILED_GRAPH and torch.compiler.is_compiling():
-        return _l2norm_torch(x, float(eps))[0]
     y, _ = l2norm_fwd(x, float(eps))
     return y
 
@@ -64,15 +57,9 @@ def l2norm_fwd(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Returns (y in x.dtype, rstd fp32 [...])."""
     if backend_for(x) != "torch":
         return fla_backend.l2norm_forward(x, eps)
-    y, rstd = _l2norm_torch(x, eps)
-    return y.contiguous(), rstd
-
-
-def _l2norm_torch(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(y in x.dtype, rstd fp32 [...]) in plain torch ops, computed in fp32 (fp64 for fp64 input)."""
     x_c = x.to(_compute_dtype(x))
     rstd = torch.rsqrt(x_c.square().sum(-1) + eps)
-    return (x_c * rstd[..., None]).to(x.dtype), rstd.float()
+    return (x_c * rstd[..., None]).to(x.dtype).contiguous(), rstd.float()
 
 
 @l2norm_fwd.register_fake
