@@ -198,6 +198,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"--warmup must be in [0, --steps), got warmup={args.warmup} steps={args.steps}")
     rungs = parse_rungs(args.rungs)
     profiled = {r.key for r in parse_rungs(args.profile_rung)} if args.profile_rung else set()
+    if profiled - {r.key for r in rungs}:
+        raise SystemExit(f"--profile-rung {args.profile_rung} names rungs that --rungs {args.rungs} does not run; "
+                         "add them to --rungs")
     args.revision = args.revision or _git_revision()
 
     from megatron_muon import register

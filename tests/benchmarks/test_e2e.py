@@ -21,6 +21,13 @@ def test_parse_rungs():
         parse_rungs("4,7")
 
 
+def test_profiled_rungs_must_be_run():
+    from e2e import main
+
+    with pytest.raises(SystemExit, match="add them to --rungs"):
+        main(["--rungs", "4", "--profile-rung", "4,6"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode run; the GPU runs the real ladder")
 def test_cpu_ladder_compiled_equals_eager_over_20_steps(tmp_path):
     """On the tiny recipe (fp32, CPU): our spec trains, the compiled model (inductor) follows the eager run's loss for
