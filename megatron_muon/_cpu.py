@@ -59,6 +59,8 @@ class _CpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.pin_memory:
             return args[0]
+        if func is torch.Tensor.float and _state.get("float64_as_float32") and args[0].dtype == torch.float64:
+            return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             tensor = args[0]
             if tensor.device.type == "cpu" and tensor.dtype in _CUDA_TYPE_NAMES:
@@ -187,6 +189,15 @@ def enable_cpu_mode(nan_empty: bool = False) -> None:
         mode = _CpuMode(redirect_cuda=True, nan_empty=nan_empty)
         mode.__enter__()
         _state.update(enabled=True, mode=mode)
+
+
+def report_float64_as_float32(enabled: bool = True) -> None:
+    """megatron's DistributedOptimizer shards only fp32 and 16-bit parameters (a `Tensor.type()` check); fp64 runs,
+    which keep layout rounding negligible in parity tests, report fp64 CPU tensors as `torch.cuda.FloatTensor` so it
+    shards them too (its update math does not depend on the dtype), and keep `.float()` of fp64 tensors in fp64
+    (where it copies gradients and masters)."""
+    _CUDA_TYPE_NAMES[torch.float64] = "torch.cuda.FloatTensor" if enabled else "torch.cuda.DoubleTensor"
+    _state["float64_as_float32"] = enabled
 
 
 def cpu_mode_enabled() -> bool:

@@ -9,9 +9,6 @@ def register_into_megatron() -> None:
     from megatron_muon.megatron import optimizer_registry
 
     optimizer_registry.register_optimizers()
-    from megatron_muon.megatron import dist_muon
-
-    dist_muon.register_dist_muon()
     from megatron_muon.megatron import tensor_fallbacks
 
     tensor_fallbacks.install_foreach_fallbacks()

@@ -1,102 +1,121 @@
-"""`dist_muon` on the owner-centric engine: each matrix orthogonalized once per step, by a cost-balanced owner.
+"""Building the owner engine for `muon` with megatron's distributed optimizer (`dist_muon` is the same, deprecated).
 
-megatron builds it like its plain `muon` (megatron's mixed-precision wrapper keeps the fp32 master weights, AdamW
-takes the non-matrix parameters); the torch optimizer for the matrices is `OwnerMuon` instead of `Muon`, and the
-DDP bucket groups holding Muon matrices get their gradient sync from `owner_grad_sync`: Muon gradients are
-reduce-scattered to the data-parallel row of their owner instead of all-reduced (the rest of such a bucket stays
-all-reduced). Momentum lives on owners only and is handed to checkpoints as parameter-shaped shards, so
-checkpoints of `muon` and `dist_muon` interchange and reshard to any tp/pp/dp layout.
-
-The same builder serves `muon` with `use_distributed_optimizer=True`: on a DDP built for megatron's distributed
-optimizer the non-Muon parameters go to megatron's DistributedOptimizer instead (see `owner_distopt`).
+megatron-core builds `muon` + `use_layer_wise_distributed_optimizer` as its LayerWiseDistributedOptimizer around
+the emerging optimizer, next to a DistributedOptimizer for the AdamW parameters. This builder assembles the same
+arrangement from megatron's own pieces (its param groups, its DistributedOptimizer, its LayerWise class through
+`OwnerMuonOptimizer`) with our `WaveMuon` as the emerging optimizer. DDP must have been built for it: with
+`use_distributed_optimizer=True` and a layout that keeps each Muon matrix whole in one shard
+(`owner_layout.compute_full_param_layout`, or megatron's layer-wise layout).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+from collections import defaultdict
 
-from megatron_muon.distributed.owner_muon import OwnerMuon
-from megatron_muon.megatron import optimizer_registry
-from megatron_muon.megatron.muon_config import muon_kwargs_from_config
-from megatron_muon.megatron.owner_distopt import (
-    check_ddp_for_owner_engine,
-    ddp_uses_distributed_optimizer,
-    install_owner_buffer_sync,
-    scalar_groups_on_distributed_optimizer,
-)
-from megatron_muon.megatron.owner_grad_sync import install_owner_grad_sync, muon_bucket_groups
+import torch
 
-# How the engines built from now on choose owners (`set_owner_plan`); empty: OwnerMuon's defaults.
-_owner_plan: dict = {}
+from megatron_muon.megatron.owner_layout import TAG
+from megatron_muon.megatron.owner_optimizer import OwnerMuonChain, OwnerMuonOptimizer
+from megatron_muon.optimizer.wave_muon import WaveMuon
+
+_WRAP_HINT = ("wrap the model the way Megatron-LM does for `--optimizer muon --use-distributed-optimizer`: tag the "
+              "Muon matrices (megatron_muon.megatron.owner_layout.tag_params_for_owner_buffers(model_chunks)) and build "
+              "DistributedDataParallel(..., ddp_config with use_distributed_optimizer=True, full_param_layout="
+              "megatron_muon.megatron.owner_layout.compute_full_param_layout(params, bucket_size, dp_size, ddp_config))")
 
 
-def set_owner_plan(method: str = "auto", cost_model=None) -> None:
-    """Owner planning for `dist_muon` optimizers built after this call: `method` "auto", "milp" or "lpt" (see
-    `distributed.plan.plan_owners`); `cost_model` None (Newton–Schulz FLOPs), "profile" (each shape timed once on
-    the device at the first step) or a `distributed.plan.CostModel`."""
-    if method not in ("auto", "milp", "lpt"):
-        raise ValueError(f"owner plan method must be 'auto', 'milp' or 'lpt', got {method!r}")
-    if isinstance(cost_model, str) and cost_model != "profile":
-        raise ValueError(f"cost_model must be None, 'profile' or a CostModel, got {cost_model!r}")
-    _owner_plan.clear()
-    _owner_plan.update(plan_method=method, cost_model=cost_model)
+def check_ddp_for_owner_engine(model_chunks, muon_params: set, other_params: set) -> None:
+    """Clear errors for DDP wrappings the owner engine cannot run on."""
+    for chunk in model_chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None or not ddp_config.use_distributed_optimizer:
+            raise ValueError("muon with the distributed optimizer (or dist_muon) needs megatron's DDP built with "
+                             f"use_distributed_optimizer=True; {_WRAP_HINT}")
+        if ddp_config.num_distributed_optimizer_instances != 1:
+            raise ValueError("the Muon owner engine shards over the whole data-parallel group; set "
+                             "num_distributed_optimizer_instances=1 (--num-distributed-optimizer-instances 1)")
+        for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
+            tagged = bool(buffer.params) and getattr(buffer.params[0], TAG, False)
+            wrong = [p for p in buffer.params if (p in other_params if tagged else p in muon_params)]
+            if wrong:
+                raise ValueError(
+                    f"{len(wrong)} parameters sit in a DDP buffer of the other optimizer ({'Muon' if tagged else 'AdamW'} "
+                    f"buffer, e.g. shape {tuple(wrong[0].shape)}): the Muon matrices must be tagged before DDP is "
+                    f"built; {_WRAP_HINT}")
 
 
-def owner_muon_kwargs(config, model_chunks, pg_collection) -> dict:
-    """`OwnerMuon` arguments: the `Muon` ones plus this stage's TP and DP (with context parallel) groups."""
-    kwargs = muon_kwargs_from_config(config, model_chunks, pg_collection)
-    kwargs.pop("tp_group_fn", None)
-    kwargs["tp_mode"] = "duplicated"  # owners always orthogonalize whole matrices: TP-invariant by construction
-    if pg_collection is not None:
-        kwargs.update(
-            tp_group=getattr(pg_collection, "tp", None),
-            dp_group=getattr(pg_collection, "dp_cp", None),
-            expert_tp_group=getattr(pg_collection, "expt_tp", None),
-            expert_dp_group=getattr(pg_collection, "expt_dp", None),
-        )
-    kwargs.update(_owner_plan)
-    return kwargs
+def _duplicate_group(group):
+    """A process group with the same ranks as `group` (every rank of the world takes part), so the optimizer's
+    collectives during the backward queue apart from the model's own on that group."""
+    ranks = torch.distributed.get_process_group_ranks(group)
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, ranks)
+    mine = None
+    for candidate in sorted({tuple(r) for r in everyone}):
+        created = torch.distributed.new_group(list(candidate))
+        if list(candidate) == ranks:
+            mine = created
+    return mine
 
 
-@contextlib.contextmanager
-def _muon_entry_builds_owner_muon():
-    from megatron.core.optimizer import emerging_optimizers as mcore_registry
+def build_owner_muon(config, model_chunks, config_overrides, pg_collection):
+    """`OwnerMuonChain([OwnerMuonOptimizer(WaveMuon), DistributedOptimizer(AdamW)...])` for megatron's factory."""
+    import megatron.core.optimizer as mcore
+    from megatron.core.optimizer.emerging_optimizers import _EMERGING_OPTIMIZERS
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_pg_rank, get_pg_size
 
-    registry = mcore_registry._EMERGING_OPTIMIZERS
-    saved = registry[optimizer_registry.MUON_NAME]
-    registry[optimizer_registry.MUON_NAME] = mcore_registry.EmergingOptimizerEntry(
-        optimizer_cls=OwnerMuon,
-        init_state_fn=optimizer_registry.init_muon_state,
-        config_to_kwargs=owner_muon_kwargs,
-        default_param_overrides=saved.default_param_overrides,
-    )
-    try:
-        yield
-    finally:
-        registry[optimizer_registry.MUON_NAME] = saved
-
-
-def build_owner_dist_muon(config, model_chunks, config_overrides, pg_collection):
-    """The `dist_muon` builder handed to `optimizer_registry.set_dist_muon_builder` (also `muon` with
-    `use_distributed_optimizer=True`)."""
-    check_ddp_for_owner_engine(model_chunks)
     if config.overlap_param_gather_with_optimizer_step:
-        raise ValueError("dist_muon does not overlap a parameter all-gather with the optimizer step; set "
-                         "overlap_param_gather_with_optimizer_step=False")
-    muon_config = copy.copy(config)
-    muon_config.optimizer = optimizer_registry.MUON_NAME
-    muon_config.use_layer_wise_distributed_optimizer = False
-    sharded = ddp_uses_distributed_optimizer(model_chunks)
-    muon_config.use_distributed_optimizer = sharded
-    scalar_placement = scalar_groups_on_distributed_optimizer() if sharded else contextlib.nullcontext()
-    with _muon_entry_builds_owner_muon(), scalar_placement:
-        optimizer = optimizer_registry._upstream_build(muon_config, model_chunks, config_overrides, pg_collection)
-    syncs = install_owner_grad_sync(optimizer, model_chunks)
-    install_owner_buffer_sync(muon_bucket_groups(optimizer, model_chunks), {id(sync.group) for sync in syncs})
-    return optimizer
+        raise ValueError("muon with the distributed optimizer does not overlap the parameter all-gather with the "
+                         "optimizer step; set overlap_param_gather_with_optimizer_step=False")
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    entry = _EMERGING_OPTIMIZERS["muon"]
+    overrides = dict(config_overrides or {})
+    for key, override in copy.deepcopy(entry.default_param_overrides).items():
+        if override.get("optimizer") in ("adam", "lion"):
+            override["optimizer"] = config.muon_scalar_optimizer
+        overrides[key] = override
+    groups = mcore._get_param_groups(model_chunks, config, overrides)
+    if any(group["is_expert_parallel"] for group in groups):
+        raise ValueError("expert-parallel parameters are not supported by the Muon owner engine yet; use "
+                         "--optimizer muon without --use-distributed-optimizer for MoE models")
+    muon_groups = [g for g in groups if g.get("optimizer", "muon") == "muon"]
+    other_groups: dict[str, list] = defaultdict(list)
+    for group in groups:
+        if group.get("optimizer", "muon") != "muon":
+            other_groups[group["optimizer"]].append(group)
+    check_ddp_for_owner_engine(model_chunks, {p for g in muon_groups for p in g["params"]},
+                               {p for gs in other_groups.values() for g in gs for p in g["params"]})
 
-
-def register_dist_muon() -> None:
-    """Make `dist_muon` build the owner-centric engine (idempotent)."""
-    optimizer_registry.set_dist_muon_builder(build_owner_dist_muon)
+    kwargs = entry.config_to_kwargs(config, model_chunks, pg_collection)
+    if get_pg_size(pg_collection.tp) > 1:  # TP gathers run from backward hooks: keep them off the model's TP queue
+        tp_group = _duplicate_group(pg_collection.tp)
+        kwargs["tp_group_fn"] = lambda param: tp_group
+    engine = WaveMuon(muon_groups, **kwargs)
+    muon = OwnerMuonOptimizer([engine], config, pg_collection, [entry.init_state_fn], list(model_chunks))
+    chained = [muon]
+    if other_groups:
+        process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
+            pg_collection, model_chunks, use_gloo_process_groups=False)
+        buffers = {}
+        for index, chunk in enumerate(model_chunks):
+            mine = [b for b in chunk.buffers if b.params and not getattr(b.params[0], TAG, False)]
+            if mine:
+                buffers[index] = mine
+        for name, member_groups in other_groups.items():
+            scalar_config = copy.copy(config)
+            scalar_config.optimizer = name
+            scalar_config.use_distributed_optimizer = True
+            result = mcore._get_megatron_optimizer_based_on_param_groups(
+                config=scalar_config, model_chunks=model_chunks, param_groups=member_groups,
+                per_model_buffers=buffers, model_parallel_group=process_groups["mp_group"],
+                data_parallel_group=process_groups["intra_dp_cp_group"],
+                data_parallel_group_gloo=process_groups["intra_dp_cp_group_gloo"],
+                data_parallel_group_idx=get_pg_rank(process_groups["mp_group"]),
+                intra_dist_opt_group=process_groups["intra_dist_opt_group"], distributed_optimizer_instance_id=0,
+                pg_collection=pg_collection)
+            result.config = config  # megatron's ChainedOptimizer asserts one config
+            chained.append(result)
+    return OwnerMuonChain(chained)

@@ -4,9 +4,8 @@ After `register_optimizers()`:
 - `OptimizerConfig(optimizer="muon")` (Megatron-LM's `--optimizer muon`) builds `megatron_muon.optimizer.Muon`
   for the matrices and megatron's scalar optimizer (AdamW by default) for everything else, in bf16, fp16 (with
   loss scaling) or fp32, without the emerging-optimizers package;
-- `dist_muon` (or `muon` with `use_layer_wise_distributed_optimizer` or `use_distributed_optimizer`, in the config or
-  in DDP's) goes through the distributed builder: the owner-centric engine once `dist_muon.register_dist_muon()`
-  ran, megatron's LayerWiseDistributedOptimizer around ours before;
+- `muon` with `use_distributed_optimizer` or `use_layer_wise_distributed_optimizer` (in the config or in DDP's
+  config), and its deprecated alias `dist_muon`, build the owner engine (`dist_muon.build_owner_muon`);
 - upstream's TensorParallelMuon stays available as `mcore_muon` / `dist_mcore_muon` for comparison.
 """
 
@@ -40,24 +39,6 @@ def _routing_overrides():
         name=_NOT_A_MATRIX_PREDICATE, fn=lambda param, name: not is_muon_param(param, name)
     )
     return {ParamKey(with_name_predicate=predicate): {"optimizer": "adam"}}
-
-
-def build_dist_muon(config, model_chunks, config_overrides, pg_collection):
-    """`dist_muon`: our Muon inside megatron's LayerWiseDistributedOptimizer (megatron does the wrapping).
-
-    This is the one place the distributed path is chosen; the owner-centric distributed Muon replaces it via
-    `set_dist_muon_builder`.
-    """
-    return _upstream_build(config, model_chunks, config_overrides, pg_collection)
-
-
-_dist_muon_builder = build_dist_muon
-
-
-def set_dist_muon_builder(builder) -> None:
-    """Route `dist_muon` to `builder(config, model_chunks, config_overrides, pg_collection)`."""
-    global _dist_muon_builder
-    _dist_muon_builder = builder
 
 
 @contextlib.contextmanager
@@ -102,7 +83,10 @@ def build_emerging_optimizer(config, model_chunks, config_overrides=None, pg_col
     if config.fp16 and distributed:
         raise ValueError("dist_muon (and muon with use_distributed_optimizer) supports bf16 and fp32; for fp16 use "
                          "optimizer='muon' without --use-distributed-optimizer (loss scaling included)")
-    builder = _dist_muon_builder if distributed else _upstream_build
+    if distributed:
+        from megatron_muon.megatron.dist_muon import build_owner_muon as builder
+    else:
+        builder = _upstream_build
     build_config = bf16_twin(config) if config.fp16 else config
     with _emerging_optimizers_not_required():
         optimizer = builder(build_config, model_chunks, config_overrides, pg_collection)

@@ -54,6 +54,7 @@ class _Bucket:
     tp_group: object = None
     partition_dim: int | None = None
     items: list[tuple[int, int]] = field(default_factory=list)  # (param index in the plan, piece index)
+    wave: int = 0  # buckets of one wave can be orthogonalized together ahead of the step (`WaveMuon`)
 
 
 class _Source(NamedTuple):
@@ -218,6 +219,9 @@ class Muon(torch.optim.Optimizer):
             return None, None
         return group, layout.partition_dim
 
+    def _wave(self, param: torch.Tensor) -> int:
+        return 0
+
     def _build_plan(self, params: list[torch.Tensor], group_of: list[int]) -> _Plan:
         layouts = [self._layout(p, None) for p in params]
         buckets: dict[tuple, _Bucket] = {}
@@ -226,13 +230,15 @@ class Muon(torch.optim.Optimizer):
             group = self.param_groups[group_of[index]]
             ns_key = tuple(_freeze(group[k]) for k in _NS_KEYS)
             tp_group, partition_dim = self._tp_key(param, layout)
+            wave = self._wave(param)
             for piece_index, piece in enumerate(piece_views(param, layout)):
                 shape = piece_matrix_shape(piece)
                 if not self.batched:
-                    singles.append(_Bucket(shape, group_of[index], tp_group, partition_dim, [(index, piece_index)]))
+                    singles.append(_Bucket(shape, group_of[index], tp_group, partition_dim, [(index, piece_index)],
+                                           wave))
                     continue
-                key = (shape, ns_key, id(tp_group), partition_dim)
-                bucket = buckets.setdefault(key, _Bucket(shape, group_of[index], tp_group, partition_dim))
+                key = (wave, shape, ns_key, id(tp_group), partition_dim)
+                bucket = buckets.setdefault(key, _Bucket(shape, group_of[index], tp_group, partition_dim, wave=wave))
                 bucket.items.append((index, piece_index))
         plan = _Plan(params, group_of, layouts, list(buckets.values()) + singles)
         assert_pieces_cover_params([bucket.items for bucket in plan.buckets], plan.params, plan.layouts)
@@ -295,13 +301,8 @@ class Muon(torch.optim.Optimizer):
         fused = fused_passes.use_fused(self.fused_elementwise, params[0].device)
         factor, self.pending_grad_factor = self.pending_grad_factor, None
         sources = self._momentum_sources(params, grads, group_of, fused, factor)
-        for bucket in plan.buckets:
-            with record_function(f"muon.stack_momentum {bucket.shape}"):
-                stacked = self._stack_updates(bucket, plan, sources, factor)
-            # 16-bit parameters keep the stack-dtype result: their rounding then matches the distributed owners'.
-            narrow = all(params[index].dtype == torch.float32 for index, _ in bucket.items)
-            with record_function(f"muon.orthogonalize {bucket.shape}"):
-                ortho, full_shape = self._orthogonalize_bucket(bucket, stacked, narrow_result=narrow)
+        for bucket_index, bucket in enumerate(plan.buckets):
+            ortho, full_shape = self._bucket_update(bucket_index, bucket, plan, sources, factor)
             by_group: dict[int, tuple[list, list, list]] = {}
             offset = 0
             for index, piece_index in bucket.items:
@@ -321,6 +322,21 @@ class Muon(torch.optim.Optimizer):
                     self._apply_updates(owner, group_targets, chunks, scale, fused, models)
         return loss
 
+    def _bucket_update(self, bucket_index: int, bucket: _Bucket, plan: _Plan, sources, factor):
+        """The bucket's orthogonalized momentum updates (stacked) and its full matrix shape."""
+        with record_function(f"muon.stack_momentum {bucket.shape}"):
+            stacked = self._stack_updates(bucket, plan, sources, factor)
+        with record_function(f"muon.orthogonalize {bucket.shape}"):
+            return self._orthogonalize_bucket(bucket, stacked, narrow_result=self._narrow(bucket, plan))
+
+    @staticmethod
+    def _narrow(bucket: _Bucket, plan: _Plan) -> bool:
+        """fp32 targets take the iteration-dtype result; 16-bit ones the stack dtype's (the owners' rounding)."""
+        return all(plan.params[index].dtype == torch.float32 for index, _ in bucket.items)
+
+    def _ema_in_fused_pass(self, param: torch.Tensor) -> bool:
+        return True
+
     def _momentum_sources(self, params, grads, group_of, fused: bool, factor) -> list[_Source]:
         """Gradients (l2 applied) and buffers per parameter. Unfused, the momentum EMA and the weight decay run
         here, foreach per param group; fused, the per-piece passes do both (l2 groups keep the foreach EMA). A
@@ -333,7 +349,8 @@ class Muon(torch.optim.Optimizer):
             group_params = [params[i] for i in members]
             buffers = [self._momentum_buffer(p) for p in group_params]
             # Piece views alias only a contiguous buffer; any other takes the foreach EMA.
-            pending = [fused and group["weight_decay_mode"] != "l2" and b.is_contiguous() for b in buffers]
+            pending = [fused and group["weight_decay_mode"] != "l2" and b.is_contiguous() and self._ema_in_fused_pass(p)
+                       for p, b in zip(group_params, buffers)]
             eager = [k for k, p in enumerate(pending) if not p]
             if factor is not None and eager:  # as megatron: clipped before l2 is added
                 torch._foreach_mul_([grads[members[k]] for k in eager], factor.reshape(()))

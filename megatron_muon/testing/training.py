@@ -17,6 +17,34 @@ from megatron_muon.testing.models import (
 )
 
 
+def uses_owner_engine(optimizer: str, use_distributed_optimizer: bool) -> bool:
+    """`dist_muon`, or `muon` with the distributed optimizer: DDP needs the owner layout."""
+    return optimizer == "dist_muon" or (optimizer == "muon" and use_distributed_optimizer)
+
+
+def wrap_in_ddp(model, config, *, use_distributed_optimizer: bool, owner_layout: bool, overlap_grad_reduce: bool = False,
+                bucket_size: int | None = None, overlap_param_gather: bool = False):
+    """megatron DDP with fp32 gradient buffers (fp64 ones for fp64 models); `owner_layout`: Muon matrices tagged
+    and laid out by owner (megatron_muon.megatron.owner_layout), what `muon` with the distributed optimizer needs."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=config.params_dtype != torch.float64, overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer or owner_layout, bucket_size=bucket_size,
+        overlap_param_gather=overlap_param_gather,
+    )
+    layout = None
+    if owner_layout:
+        from megatron_muon.megatron.owner_layout import compute_full_param_layout, tag_params_for_owner_buffers
+
+        tag_params_for_owner_buffers([model])
+        params = [p for p in model.parameters() if p.requires_grad]
+        layout = compute_full_param_layout(params, bucket_size if overlap_grad_reduce else None,
+                                           ps.get_data_parallel_world_size(with_context_parallel=True), ddp_config)
+    return DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
+
+
 def build_training_setup(
     optimizer: str = "adam",
     bf16: bool = False,
@@ -24,10 +52,12 @@ def build_training_setup(
     lr: float = 1e-2,
     model_builder: Callable[..., Any] = build_tiny_gpt,
     config_overrides: dict | None = None,
+    ddp_overrides: dict | None = None,
     **optimizer_overrides: Any,
 ):
-    """Model wrapped the way megatron's pretrain does it (Float16Module for bf16, then DDP) plus its optimizer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    """Model wrapped the way megatron's pretrain does it (Float16Module for bf16, then DDP) plus its optimizer.
+    `ddp_overrides`: `wrap_in_ddp` options (overlap_grad_reduce, bucket_size, overlap_param_gather)."""
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
@@ -35,15 +65,18 @@ def build_training_setup(
     model = model_builder(config)
     if config.params_dtype == torch.float64:  # megatron's torch-norm fallback makes its weights in the default dtype
         model.double()
+        if not _on_gpu():
+            from megatron_muon._cpu import report_float64_as_float32
+
+            report_float64_as_float32()
     if _on_gpu():  # as megatron's get_model does; weights were initialized on CPU, identically for every layout
         model.cuda(torch.cuda.current_device())
     if bf16:
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(  # fp64 parameters keep fp64 gradient buffers (not fp32 ones)
-        grad_reduce_in_fp32=config.params_dtype != torch.float64, overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
-    )
-    model = DistributedDataParallel(config, ddp_config, model)
+    owner = uses_owner_engine(optimizer, use_distributed_optimizer)
+    use_distributed_optimizer = use_distributed_optimizer or owner
+    model = wrap_in_ddp(model, config, use_distributed_optimizer=use_distributed_optimizer, owner_layout=owner,
+                        **(ddp_overrides or {}))
     config.finalize_model_grads_func = finalize_model_grads
     settings = dict(optimizer=optimizer, lr=lr, min_lr=lr, weight_decay=0.01, bf16=bf16, clip_grad=1.0,
                     use_distributed_optimizer=use_distributed_optimizer)
@@ -62,7 +95,7 @@ PRECISIONS = ("fp32", "bf16", "fp64")
 
 
 def build_muon_setup(name: str, precision: str, model: str, lr: float = 0.01, clip_grad: float | None = None,
-                     config_overrides: dict | None = None):
+                     config_overrides: dict | None = None, ddp_overrides: dict | None = None):
     """The tiny `model` ("gpt" or "hybrid") with megatron optimizer `name` (e.g. "dist_muon", "muon") in
     `precision` on the parallel_state already set; Muon's TP mode is "duplicated".
 
@@ -90,7 +123,8 @@ def build_muon_setup(name: str, precision: str, model: str, lr: float = 0.01, cl
     if precision == "fp64":
         builder["config_overrides"]["params_dtype"] = torch.float64
     builder["config_overrides"].update(config_overrides or {})
-    model_, optimizer = build_training_setup(name, bf16=precision == "bf16", lr=lr, **builder, **options)
+    model_, optimizer = build_training_setup(name, bf16=precision == "bf16", lr=lr, ddp_overrides=ddp_overrides,
+                                             **builder, **options)
     if precision == "fp64":
         _iterate_newton_schulz_in_fp64(optimizer)
     return model_, optimizer

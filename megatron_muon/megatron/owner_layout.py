@@ -1,0 +1,147 @@
+"""DDP's parameter layout for `--optimizer muon --use-distributed-optimizer`: each Muon matrix whole in its owner's shard.
+
+`compute_full_param_layout` has the signature of megatron's `LayerWiseDistributedOptimizer.compute_full_param_layout`
+and returns megatron's `FullParamLayout`, which megatron-core's `DistributedDataParallel(full_param_layout=...)`
+takes: buffers of parameters tagged `is_managed_by_layer_wise_optimizer` (the Muon matrices, see
+`tag_params_for_owner_buffers`) get the owner plan of `distributed.owner_layout`, every other buffer megatron's
+distributed-optimizer layout. The plan is computed on the first rank of each pipeline stage and broadcast, so every
+replica lays its buffers out identically even when the solver's time limit makes the plan machine-dependent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_muon.distributed.cost import AnalyticCost, CostModel
+from megatron_muon.distributed.owner_layout import LayoutItem, plan_owner_layout
+from megatron_muon.optimizer.routing import is_muon_param, matrix_layout, piece_matrix_shape, piece_views, tag_fused_in_proj
+
+TAG = "is_managed_by_layer_wise_optimizer"  # megatron's attribute that splits DDP buffers (BufferKey)
+
+# How the layouts built from now on plan owners (`set_owner_plan`).
+_settings: dict = {"method": "auto", "cost": None, "tokens_per_step": None}
+
+
+def set_owner_plan(method: str = "auto", cost: CostModel | None = None, tokens_per_step: int | None = None) -> None:
+    """Owner planning for layouts computed after this call: `method` "auto", "milp" or "greedy"; `cost` a
+    `distributed.cost.CostModel` (default: Newton–Schulz FLOPs); `tokens_per_step` (per rank) lets the plan know how
+    long the backward runs after each bucket, so later buckets' work is counted as hidden behind it."""
+    if method not in ("auto", "milp", "greedy"):
+        raise ValueError(f"owner plan method must be 'auto', 'milp' or 'greedy', got {method!r}")
+    if tokens_per_step is not None and tokens_per_step < 1:
+        raise ValueError(f"tokens_per_step must be a positive int or None, got {tokens_per_step}")
+    _settings.update(method=method, cost=cost, tokens_per_step=tokens_per_step)
+
+
+def tag_params_for_owner_buffers(model_chunks) -> None:
+    """Mark the Muon matrices so megatron's DDP gives them their own buffers, and tag fused projections (QKV, GDN
+    in_proj) so the plan costs their parts. Call on the model chunks before wrapping them in DDP."""
+    from megatron.core.optimizer.emerging_optimizers import _get_qkv_split_shapes
+
+    for chunk in model_chunks:
+        tag_fused_in_proj(chunk)
+        config = getattr(chunk, "config", None)
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            setattr(param, TAG, is_muon_param(param, name))
+            if config is not None and "linear_qkv.weight" in name and param.ndim == 2 \
+                    and not getattr(param, "is_qkv", False):
+                shapes = _get_qkv_split_shapes(config)
+                if param.shape[0] % sum(shapes) == 0:
+                    param.is_qkv, param.qkv_split_shapes = True, shapes
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+
+
+def layout_items(params, cost: CostModel, tp_size: int) -> list[LayoutItem]:
+    """One planning item per parameter: its full (unsharded) matrices' Newton–Schulz cost."""
+    items = []
+    for index, param in enumerate(params):
+        layout = matrix_layout(param)
+        shapes = []
+        for piece in piece_views(param, layout):
+            rows, cols = piece_matrix_shape(piece)
+            if layout.partition_dim == 0:
+                rows *= tp_size
+            elif layout.partition_dim == 1:
+                cols *= tp_size
+            shapes += [(rows, cols)] * piece.shape[0]
+        kind = tuple(shapes)
+        launch = sum(cost.launch_cost(shape) for shape in set(shapes))
+        items.append(LayoutItem(f"param{index}", param.numel(), kind,
+                                sum(cost.matrix_cost(shape) for shape in shapes), launch))
+    return items
+
+
+def _stage_grid():
+    """This pipeline stage's TP × DP ranks (None outside a process group)."""
+    from megatron.core import parallel_state
+
+    from megatron_muon.distributed.comm import StageGrid
+
+    if not (torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else None
+    return StageGrid(parallel_state.get_tensor_model_parallel_group(),
+                     parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+                     device=device)
+
+
+def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=None):
+    """megatron's PerBufferParamLayout for one Muon buffer: owner-planned, whole matrices per shard."""
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    from megatron.core.optimizer.param_layout import PerBufferParamLayout
+
+    cost = _settings["cost"] or AnalyticCost()
+    items = layout_items(params, cost, _tp_size())
+    tokens = _settings["tokens_per_step"]
+    # a matrix's weight and input gradients are ~4·tokens FLOPs per element, at the cost model's rate
+    per_element = 4.0 * tokens / getattr(cost, "flops_per_s", AnalyticCost().flops_per_s) if tokens else 0.0
+    divisor = math.lcm(LayerWiseDistributedOptimizer._shard_divisor(dp, ddp_config), 64)
+    grid = _stage_grid() if dp > 1 else None
+    first = grid is None or grid.slot == 0  # only the first rank solves; the others adopt its plan
+    plan = plan_owner_layout(items, dp, bucket_size, divisor, per_element, _settings["method"] if first else "greedy")
+    if grid is not None:
+        owners = grid.broadcast_from_first_slot(torch.tensor(plan.owners, dtype=torch.int64)).tolist()
+        plan = plan_owner_layout(items, dp, bucket_size, divisor, per_element, owners=owners)
+    index_map = {}
+    for bucket_id, members in enumerate(plan.buckets):
+        for i in members:
+            index_map[params[i]] = (*plan.ranges[i], bucket_id)
+    return PerBufferParamLayout(
+        param_index_map=index_map,
+        bucket_indices=list(plan.bucket_ranges),
+        per_bucket_numel_unpadded=[sum(params[i].numel() for i in members) for members in plan.buckets],
+        param_indices=param_indices if param_indices is not None else [],
+        num_optimizer_shards=dp,
+    )
+
+
+def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp_config,
+                              expert_data_parallel_world_size=None):
+    """megatron's `FullParamLayout` for all of `params`: owner-planned Muon buffers, distributed-optimizer rest."""
+    from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.param_layout import FullParamLayout
+
+    layouts = {}
+    for key, (group, param_indices) in group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32).items():
+        dp = data_parallel_world_size
+        if key.is_expert_parallel:
+            dp = expert_data_parallel_world_size or data_parallel_world_size
+        if key.is_managed_by_layer_wise_optimizer:
+            if key.is_expert_parallel:
+                raise ValueError("expert-parallel Muon matrices are not laid out by owner yet; use --optimizer muon "
+                                 "without --use-distributed-optimizer for MoE models")
+            layouts[key] = owner_buffer_layout(group, bucket_size, dp, ddp_config, param_indices)
+        else:
+            layouts[key] = DistributedOptimizer._compute_per_buffer_param_layout(
+                group, bucket_size, dp, ddp_config, param_indices)
+    return FullParamLayout(layouts=layouts)

@@ -1,0 +1,132 @@
+"""Muon whose Newton–Schulz runs ahead of the step, one wave of parameters at a time, while the backward goes on.
+
+A wave is a set of parameters whose gradients are final before the step (in data-parallel training: the matrices
+of one DDP bucket once its reduce-scatter has landed). `speculate(wave, grad_of)` computes the wave's orthogonalized
+momentum updates exactly as the coming `step()` would if nothing changes those gradients first, without touching
+any state. The caller then says whether that held (`speculation_valid`: no gradient clipping happened, in
+megatron's terms the clip factor was >= 1); `step()` uses the results only then, and otherwise computes every
+bucket afresh, so a discarded speculation costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.profiler import record_function
+
+from megatron_muon.optimizer import muon_math
+from megatron_muon.optimizer.muon import Muon, _Bucket, _Plan
+from megatron_muon.optimizer.routing import piece_views
+
+
+class WaveMuon(Muon):
+    """`Muon` plus `speculate`; `wave_of[id(param)]` assigns parameters to waves (default 0)."""
+
+    def __init__(self, params, *args, **kwargs):
+        self.wave_of: dict[int, int] = {}
+        self.speculation_valid = False  # set by the caller between the backward and step()
+        self._prepared: dict[int, tuple] = {}  # plan bucket index -> (ortho, full shape, grad data pointers)
+        self.speculated_buckets = 0  # counters the tests and benchmarks read
+        self.speculation_used = 0
+        self.speculation_discarded = 0
+        super().__init__(params, *args, **kwargs)
+
+    def _wave(self, param: torch.Tensor) -> int:
+        return self.wave_of.get(id(param), 0)
+
+    def _all_params(self) -> tuple[list[torch.Tensor], list[int]]:
+        params, group_of = [], []
+        for index, group in enumerate(self.param_groups):
+            params += group["params"]
+            group_of += [index] * len(group["params"])
+        return params, group_of
+
+    @torch.no_grad()
+    def speculate(self, wave: int, grad_of: Callable[[torch.Tensor], torch.Tensor]) -> int:
+        """Orthogonalize the momentum updates of `wave` from the gradients `grad_of(param)`; returns the number of
+        buckets prepared. Reads the momentum buffers and parameters, writes nothing."""
+        params, group_of = self._all_params()
+        if not params:
+            return 0
+        plan = self._plan(params, group_of)
+        prepared = 0
+        for bucket_index, bucket in enumerate(plan.buckets):
+            if bucket.wave != wave:
+                continue
+            grads = {index: grad_of(params[index]) for index, _ in bucket.items}
+            with record_function(f"muon.speculate {bucket.shape}"):
+                stacked = self._speculative_stack(bucket, plan, grads)
+                ortho, full_shape = self._orthogonalize_bucket(bucket, stacked, narrow_result=self._narrow(bucket, plan))
+            pointers = tuple(sorted((index, grad.data_ptr()) for index, grad in grads.items()))
+            self._prepared[bucket_index] = (ortho, full_shape, pointers)
+            prepared += 1
+        self.speculated_buckets += prepared
+        return prepared
+
+    def _speculative_stack(self, bucket: _Bucket, plan: _Plan, grads: dict[int, torch.Tensor]) -> torch.Tensor:
+        """`_stack_updates` with the momentum EMA into temporaries: the same rounding as the step's eager EMA
+        (buffer.lerp_(grad, 1 - β)) followed by its Nesterov blend."""
+        pieces = []
+        for index, piece_index in bucket.items:
+            group = self.param_groups[plan.group_of[index]]
+            grad = grads[index]
+            if group["weight_decay_mode"] == "l2":
+                grad = muon_math.l2_regularized([grad], [plan.params[index]], group["weight_decay"])[0]
+            layout = plan.layouts[index]
+            buffer = self._momentum_buffer(plan.params[index])
+            pieces.append((group, piece_views(grad, layout)[piece_index], piece_views(buffer, layout)[piece_index]))
+        dtype = self._stack_dtype(pieces[0][1].dtype)
+        count = sum(grad.shape[0] for _, grad, _ in pieces)
+        stacked = torch.empty((count, *bucket.shape), dtype=dtype, device=pieces[0][1].device)
+        offset = 0
+        for group, grad, buffer in pieces:
+            slot = stacked[offset : offset + grad.shape[0]].view(grad.shape)
+            offset += grad.shape[0]
+            ema = torch.lerp(buffer, grad.to(buffer.dtype), 1.0 - group["momentum"])
+            muon_math.nesterov_into_(grad, ema, slot, group["momentum"], group["nesterov"])
+        return stacked
+
+    def _usable(self, plan: _Plan) -> dict[int, tuple]:
+        """Prepared buckets whose gradients are still the ones speculated on (same tensors, no clip since)."""
+        usable = {}
+        for bucket_index, (ortho, full_shape, pointers) in self._prepared.items():
+            if bucket_index < len(plan.buckets) and all(
+                    plan.params[index].grad is not None and plan.params[index].grad.data_ptr() == pointer
+                    for index, pointer in pointers):
+                usable[bucket_index] = (ortho, full_shape)
+        return usable
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        valid, self.speculation_valid = self.speculation_valid and self.pending_grad_factor is None, False
+        prepared, self._prepared = self._prepared, {}
+        if prepared and not valid:
+            self.speculation_discarded += len(prepared)
+        if not (prepared and valid):
+            return super().step(closure)
+        params, group_of = self._all_params()
+        if any(param.grad is None for param in params):  # the step's plan would not be the speculated one
+            self.speculation_discarded += len(prepared)
+            return super().step(closure)
+        self._prepared = prepared
+        plan = self._plan(params, group_of)
+        self._for_step = self._usable(plan)
+        self._for_step_params = {id(plan.params[index]) for b in self._for_step for index, _ in plan.buckets[b].items}
+        self.speculation_used += len(self._for_step)
+        self.speculation_discarded += len(prepared) - len(self._for_step)
+        self._prepared = {}
+        try:
+            return super().step(closure)
+        finally:
+            self._for_step, self._for_step_params = {}, set()
+
+    def _ema_in_fused_pass(self, param: torch.Tensor) -> bool:
+        """Prepared buckets skip the stacking pass, so their momentum EMA runs eagerly (same rounding)."""
+        return id(param) not in getattr(self, "_for_step_params", ())
+
+    def _bucket_update(self, bucket_index: int, bucket: _Bucket, plan: _Plan, sources, factor):
+        ready = getattr(self, "_for_step", {}).get(bucket_index)
+        if ready is not None:
+            return ready
+        return super()._bucket_update(bucket_index, bucket, plan, sources, factor)
