@@ -119,11 +119,25 @@ def fill_empty_adam_state(optimizer) -> None:
                                  exp_avg_sq=torch.zeros_like(param))
 
 
-def restore_adam_steps(optimizer) -> None:
+def detach_adam_steps(optimizer) -> dict:
+    """Take the per-parameter `step` tensors out of the DistributedOptimizers' torch Adam(W) state: megatron's
+    fully-reshardable load copies every tensor of that state from the checkpoint, which holds no per-parameter step
+    (megatron-core 0.19 raises KeyError 'step'). `restore_adam_steps` puts them back."""
+    detached = {}
+    for adam in _distributed_adams(optimizer):
+        for state in adam.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                detached[id(state)] = (state, state.pop("step"))
+    return detached
+
+
+def restore_adam_steps(optimizer, detached: dict | None = None) -> None:
     """Without TE/Apex, megatron's DistributedOptimizer keeps the step count in each parameter's torch Adam(W)
     state, but its checkpoints restore the count only into the param groups: the per-parameter copies come back from
     the load template (the fresh optimizer's value), and all share one tensor that torch would advance once per
-    parameter. Give every parameter its own copy of the loaded count."""
+    parameter. Give every parameter its own copy of the loaded count (and back its `detach_adam_steps` tensor)."""
+    for state, step in (detached or {}).values():
+        state["step"] = step
     for adam in _distributed_adams(optimizer):
         for group in adam.param_groups:
             if group.get("step") is None:
@@ -157,7 +171,8 @@ def load_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict 
         for index, chunk in enumerate(chunks):
             chunk.load_state_dict(state[f"model{index}"])
     if optimizer is not None:
+        detached = detach_adam_steps(optimizer)
         with torch.no_grad():  # the distributed optimizer copies into views of the (leaf) fp32 parameters
             optimizer.load_state_dict(state["optimizer"])
-        restore_adam_steps(optimizer)
+        restore_adam_steps(optimizer, detached)
     return state

@@ -122,6 +122,64 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         self._started.clear()
         return super().prepare_grads()
 
+    # ---- checkpoints: model-space tensors written by their owners, so they reshard to any tp/pp/dp layout ----
+
+    def _owned_state(self, model_sharded_state_dict) -> list[tuple]:
+        """(model ShardedTensor, momentum buffer, fp32 master or None) of every parameter this rank owns."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+        model_tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+        by_data = {id(sh.data): sh for sh in nested_values(model_tensors)}
+        owned = []
+        for child in self.chained_optimizers:
+            engine = child.optimizer
+            masters = {id(main): model for model_group, main_group in zip(getattr(child, "float16_groups", []),
+                                                                           getattr(child, "fp32_from_float16_groups", []))
+                       for model, main in zip(model_group, main_group)}
+            for group in engine.param_groups:
+                for param in group["params"]:
+                    model = masters.get(id(param), param)
+                    if id(model) not in by_data:
+                        raise ValueError("a Muon parameter is missing from the model's sharded state dict; build the "
+                                         "state dict from the same model chunks the optimizer was built for")
+                    owned.append((by_data[id(model)], engine._momentum_buffer(param), param if model is not param else None))
+        return owned
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """`optimizer.state.{momentum_buffer,fp32_param}.<model key>` (plain Muon's keys) on the owners only, each
+        the main replica; the param groups' hyperparameters as common state."""
+        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+        state, self._owned_keys = {}, {}
+        for model_sh, momentum, master in self._owned_state(model_sharded_state_dict):
+            self._owned_keys[model_sh.key] = (model_sh, momentum, master)
+            for kind, tensor in (("momentum_buffer", momentum), ("fp32_param", master)):
+                if tensor is not None:
+                    sh = make_sharded_optimizer_tensor(model_sh, tensor, prefix=f"optimizer.state.{kind}")
+                    sh.replica_id = (*model_sh.replica_id[:2], 0) if isinstance(model_sh.replica_id, tuple) else 0
+                    state[sh.key] = sh
+        groups = [{k: v for k, v in group.items() if k != "params"} for engine in self.engines
+                  for group in engine.param_groups]
+        return {"owned_state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict) -> None:
+        """Copy the loaded tensors into this rank's momentum buffers and masters (the template's keys)."""
+        loaded = state_dict["owned_state"]
+        if not hasattr(self, "_owned_keys"):
+            raise ValueError("load_state_dict needs the template from sharded_state_dict(..., is_loading=True) first "
+                             "(megatron's dist_checkpointing load does this)")
+        for key, (model_sh, momentum, master) in self._owned_keys.items():
+            for kind, tensor in (("momentum_buffer", momentum), ("fp32_param", master)):
+                if tensor is not None:
+                    tensor.copy_(loaded[f"optimizer.state.{kind}.{key}"])
+        groups = [group for engine in self.engines for group in engine.param_groups]
+        if len(groups) != len(state_dict["param_groups"]):
+            raise ValueError(f"the checkpoint has {len(state_dict['param_groups'])} Muon param groups, this optimizer "
+                             f"{len(groups)}; load a checkpoint of the same model and optimizer settings")
+        for group, saved in zip(groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
     def allow_speculation(self, grad_norm) -> None:
         """Called with the step's global gradient norm: the speculative updates hold iff nothing is clipped."""
         clip = self.config.clip_grad
@@ -129,6 +187,30 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         valid = clip <= 0.0 or (math.isfinite(norm) and clip / (norm + 1.0e-6) >= 1.0)
         for engine in self.engines:
             engine.speculation_valid = valid
+
+
+def _load_fully_reshardable(distributed_optimizer, param_state) -> None:
+    """megatron's `load_parameter_state_from_fully_reshardable`, minus its per-parameter `step` lookup: with torch's
+    Adam (no TE / Apex) megatron-core 0.19 puts a `step` tensor into every parameter's state and then expects one in
+    the checkpoint, which never holds it (KeyError 'step'). The step count comes back through the param groups."""
+    from collections import ChainMap
+
+    index = -1
+    for buffer_index, range_maps in enumerate(distributed_optimizer.gbuf_ranges):
+        for range_maps_per_bucket in range_maps.values():
+            ranges = ChainMap(*(range_map["param_map"] for range_map in range_maps_per_bucket))
+            for model_param in distributed_optimizer.buffers[buffer_index].param_index_map:
+                index += 1
+                if model_param not in ranges:
+                    continue
+                span = ranges[model_param]["param"]
+                group_index, group_order = distributed_optimizer.model_param_group_index_map[model_param]
+                main = distributed_optimizer.optimizer.param_groups[group_index]["params"][group_order]
+                state = distributed_optimizer.optimizer.state[main]
+                for key, value in param_state[index].items():
+                    if key != "step":
+                        target = main if key in ("param", "fp32_param") else state[key]
+                        target.data.copy_(value.flatten()[span.start : span.end])
 
 
 class OwnerMuonChain(ChainedOptimizer):
@@ -142,3 +224,16 @@ class OwnerMuonChain(ChainedOptimizer):
             if isinstance(child, OwnerMuonOptimizer):
                 child.allow_speculation(norm)
         return norm
+
+    def load_state_dict(self, state_dict):
+        from megatron.core.optimizer import distrib_optimizer
+
+        states = [state_dict] if len(self.chained_optimizers) == 1 else [v for _, v in sorted(state_dict.items())]
+        deferred = []
+        for child, state in zip(self.chained_optimizers, states):
+            if isinstance(child, distrib_optimizer.DistributedOptimizer) and not distrib_optimizer.HAVE_APEX_OR_TE \
+                    and state.get("param_state_sharding_type") == "fully_reshardable" and "param_state" in state:
+                deferred.append((child, state.pop("param_state")))
+        super().load_state_dict(state_dict)
+        for child, param_state in deferred:
+            _load_fully_reshardable(child, param_state)
