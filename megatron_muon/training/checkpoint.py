@@ -67,8 +67,9 @@ def _restore_rng(state: dict) -> None:
 
 
 def _optimizer_metadata(use_distributed_optimizer: bool) -> dict:
-    # dp_reshardable is the DistributedOptimizer format that works without TE/Apex fused Adam.
-    return {"distrib_optim_sharding_type": "dp_reshardable"} if use_distributed_optimizer else {}
+    """megatron's fully-reshardable DistributedOptimizer format: model-space tensors that load at any tp/pp/dp
+    (the owner engine's chain loads it itself where megatron-core 0.19 cannot, with torch's Adam)."""
+    return {"distrib_optim_sharding_type": "fully_reshardable"} if use_distributed_optimizer else {}
 
 
 def _training_state(scheduler, step: int, with_rng: bool, extra: dict | None = None) -> dict:

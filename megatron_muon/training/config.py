@@ -54,6 +54,7 @@ class ParallelSection:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False  # with the distributed optimizer: gather each bucket in the next forward
 
 
 @dataclass

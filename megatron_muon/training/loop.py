@@ -16,7 +16,14 @@ from megatron_muon.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_muon.training.config import Recipe
 from megatron_muon.training.data import MicroBatches, build_train_dataset
 from megatron_muon.training.distributed import RunContext
-from megatron_muon.training.model import DTYPES, build_model, count_parameters, transformer_config, wrap_model
+from megatron_muon.training.model import (
+    DTYPES,
+    build_model,
+    count_parameters,
+    transformer_config,
+    uses_owner_engine,
+    wrap_model,
+)
 from megatron_muon.training.preemption import StopOnSignal
 from megatron_muon.training.report import JsonlLog, format_step, plot_run, read_jsonl
 from megatron_muon.training.step_timer import StepTimer
@@ -55,7 +62,13 @@ def optimizer_config(recipe: Recipe):
         fp16=precision == "fp16",
         params_dtype=DTYPES[precision],
         use_distributed_optimizer=recipe.parallel.use_distributed_optimizer and not layer_wise,
+        overlap_param_gather=recipe.parallel.overlap_param_gather,
     )
+
+
+def _sharded_optimizer(recipe: Recipe) -> bool:
+    """Whether megatron's DistributedOptimizer holds the AdamW state (its checkpoint format)."""
+    return recipe.parallel.use_distributed_optimizer or uses_owner_engine(recipe)
 
 
 def lr_scheduler(recipe: Recipe, optimizer):
@@ -228,15 +241,15 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
         optimizer, [model], one_pass_adamw=recipe.optimizer.one_pass_adamw,
         muon_clip_in_momentum=recipe.optimizer.muon_clip_in_momentum,
         muon_model_copy=recipe.optimizer.muon_model_copy, main_grad_add=False,
-        first_grad_overwrite=recipe.optimizer.first_grad_overwrite)
+        # the owner engine leaves megatron's DDP as it is (its buffers are zeroed by megatron every step)
+        first_grad_overwrite=recipe.optimizer.first_grad_overwrite and not uses_owner_engine(recipe))
     scheduler = lr_scheduler(recipe, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
 
     start_step = 0
     if recipe.checkpoint.load:
-        start_step = load_checkpoint(recipe.checkpoint.load, model, optimizer, scheduler,
-                                     recipe.parallel.use_distributed_optimizer)
+        start_step = load_checkpoint(recipe.checkpoint.load, model, optimizer, scheduler, _sharded_optimizer(recipe))
     batches = MicroBatches(build_train_dataset(recipe, output_dir), train.micro_batch_size, train.global_batch_size,
                            ps.get_data_parallel_rank(), data_parallel_size(recipe, ctx.world_size), ctx.device)
     peak = recipe.metrics.peak_tflops or peak_tflops(ctx.device_name, recipe.metrics.peak_precision)
@@ -269,9 +282,28 @@ def _step_record(run: _Run, window: _Window, done: int, update_ok: bool, grad_no
     }
 
 
+def _log_memory(run: _Run, bar) -> None:
+    """After the first step: every rank's optimizer state, parameter and gradient bytes (and device peak) as one
+    `memory` record; the busiest rank's figures on the console (collective)."""
+    from megatron_muon.metrics.memory import busiest_rank, memory_record
+
+    record = memory_record([run.model], run.optimizer)
+    if run.log:
+        run.log.write({"event": "memory", "memory": record})
+        rank = busiest_rank(record)
+        size = {key: _bytes_text(record[key][rank]) for key in record}
+        bar.write(f"memory, busiest rank {rank}: optimizer state {size['optimizer_state_bytes']}, parameters "
+                  f"{size['param_bytes']}, gradients {size['grad_bytes']}, device peak {size['peak_bytes']}")
+
+
+def _bytes_text(count: int | None) -> str:
+    if count is None:
+        return "n/a"
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.2f} MiB"
+
+
 def _save(recipe: Recipe, run: _Run, step: int) -> None:
-    save_checkpoint(recipe.checkpoint.save, step, run.model, run.optimizer, run.scheduler,
-                    recipe.parallel.use_distributed_optimizer)
+    save_checkpoint(recipe.checkpoint.save, step, run.model, run.optimizer, run.scheduler, _sharded_optimizer(recipe))
 
 
 def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
@@ -309,6 +341,8 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             unread_losses.append(losses)
             bar.update(1)
             done = step + 1
+            if done == start_step + 1:
+                _log_memory(run, bar)
             stop_now = stop.agreed()  # the exit signal on any rank: log, save and end after this step, on every rank
             log_now = done % recipe.logging.log_interval == 0 or done == train.train_iters or stop_now
             save_now = bool(recipe.checkpoint.save and (stop_now or recipe.checkpoint.save_interval

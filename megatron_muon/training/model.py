@@ -118,6 +118,30 @@ def build_model(recipe: Recipe, config):
     )
 
 
+def uses_owner_engine(recipe: Recipe) -> bool:
+    """`muon` with the distributed optimizer (or `dist_muon`): DDP lays the Muon matrices out by owner."""
+    name = recipe.optimizer.name
+    return name == "dist_muon" or (name == "muon" and recipe.parallel.use_distributed_optimizer)
+
+
+def _owner_layout(module, ddp_config, recipe: Recipe):
+    """The owner-planned DDP layout, with DDP's own bucket size rule; the plan knows the tokens per rank."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_muon.megatron.owner_layout import compute_full_param_layout, set_owner_plan, tag_params_for_owner_buffers
+
+    tag_params_for_owner_buffers([module])
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
+    bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp)
+    if not ddp_config.overlap_grad_reduce or ps.get_pipeline_model_parallel_rank() > 0:
+        bucket_size = None  # as DDP does: one bucket when nothing overlaps the backward
+    tokens = recipe.training.micro_batch_size * recipe.model.seq_length * max(
+        1, recipe.training.global_batch_size // (recipe.training.micro_batch_size * dp))
+    set_owner_plan(tokens_per_step=tokens)
+    params = [p for p in module.parameters() if p.requires_grad]
+    return compute_full_param_layout(params, bucket_size, dp, ddp_config)
+
+
 def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True):
     """Float16Module for bf16/fp16, then megatron DDP with fp32 grad reduction: the pretrain_gpt.py wrapping.
     fast_main_grad_add: accumulate gradients into DDP's fp32 buffers in one vectorized pass
@@ -127,19 +151,18 @@ def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True):
 
     if torch.cuda.is_available():
         module = module.cuda(torch.cuda.current_device())
-    if recipe.parallel.use_distributed_optimizer and recipe.optimizer.name in ("muon", "dist_muon"):
-        # Muon matrices and AdamW parameters in separate DDP buffers: the distributed optimizer shards whole buffers.
-        from megatron_muon.megatron.owner_distopt import tag_params_for_owner_buffers
-
-        tag_params_for_owner_buffers([module])
-    if recipe.training.precision in ("bf16", "fp16"):
-        module = Float16Module(config, module)
+    owner = uses_owner_engine(recipe)
+    distributed = recipe.parallel.use_distributed_optimizer or owner
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=recipe.parallel.overlap_grad_reduce,
-        use_distributed_optimizer=recipe.parallel.use_distributed_optimizer,
+        use_distributed_optimizer=distributed,
+        overlap_param_gather=recipe.parallel.overlap_param_gather and distributed,
     )
-    model = DistributedDataParallel(config, ddp_config, module)
+    layout = _owner_layout(module, ddp_config, recipe) if owner else None
+    if recipe.training.precision in ("bf16", "fp16"):
+        module = Float16Module(config, module)
+    model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
     model.broadcast_params()
     if fast_main_grad_add:
         from megatron_muon.megatron.main_grad_add import install_main_grad_add

@@ -126,6 +126,13 @@ def _validate_layout(recipe: Recipe, world_size: int) -> None:
              f"the recipe asks for tp={tp} x pp={pp} x dp={par.data_parallel_size} = "
              f"{tp * pp * (par.data_parallel_size or 0)} ranks but {world_size} were launched; launch that many "
              "processes or set parallel.data_parallel_size to match.")
+    _require(not par.overlap_param_gather or par.use_distributed_optimizer or recipe.optimizer.name == "dist_muon",
+             "parallel.overlap_param_gather needs the distributed optimizer; set parallel.use_distributed_optimizer: "
+             "true or turn overlap_param_gather off.")
+    owner = recipe.optimizer.name == "dist_muon" or (recipe.optimizer.name == "muon" and par.use_distributed_optimizer)
+    _require(not owner or train.precision != "fp16",
+             "muon with the distributed optimizer runs bf16 or fp32; use training.precision: bf16, or drop "
+             "parallel.use_distributed_optimizer for fp16 muon with loss scaling.")
     _require(train.micro_batch_size > 0 and train.global_batch_size > 0 and train.train_iters > 0,
              "training.micro_batch_size, global_batch_size and train_iters must be positive.")
     _require(train.global_batch_size % (train.micro_batch_size * dp) == 0,
