@@ -1,11 +1,11 @@
-"""Owner-centric distributed Muon: cost-balanced owners (plan), shard movement (comm), gradients reduced to their
-owners (grad_reduce), the engine (owner_muon).
+"""Owner-centric distributed Muon, the pure parts: owner plans balanced by Newton–Schulz cost (`plan`, `cost`,
+`profile`), owner-ordered DDP bucket layouts (`owner_layout`) and the stage grid (`comm`).
 
-Each matrix is orthogonalized exactly once per step, by one owner chosen among the data- and tensor-parallel
-ranks of its pipeline stage; `megatron_muon.megatron.dist_muon` puts it behind megatron's `dist_muon` and routes
-megatron DDP's Muon gradients to the owners by reduce-scatter.
+`megatron_muon.megatron.dist_muon` builds the engine megatron runs for `--optimizer muon --use-distributed-optimizer`
+on these.
 """
 
+from megatron_muon.distributed.owner_layout import LayoutItem, OwnerLayout, plan_owner_layout
 from megatron_muon.distributed.plan import (
     AnalyticCost,
     MatrixSpec,
@@ -15,12 +15,5 @@ from megatron_muon.distributed.plan import (
     plan_owners,
 )
 
-__all__ = ["AnalyticCost", "MatrixSpec", "MeasuredCost", "OwnerPlan", "lower_bound", "plan_owners", "OwnerMuon"]
-
-
-def __getattr__(name: str):
-    if name == "OwnerMuon":  # the engine imports the optimizer package; the planner alone stays light
-        from megatron_muon.distributed.owner_muon import OwnerMuon
-
-        return OwnerMuon
-    raise AttributeError(f"module 'megatron_muon.distributed' has no attribute {name!r}")
+__all__ = ["AnalyticCost", "LayoutItem", "MatrixSpec", "MeasuredCost", "OwnerLayout", "OwnerPlan", "lower_bound",
+           "plan_owner_layout", "plan_owners"]

@@ -39,6 +39,16 @@ def _model_metadata(model_metadata: dict | None) -> dict:
     return dict(DEFAULT_MODEL_METADATA if model_metadata is None else model_metadata)
 
 
+def default_optimizer_metadata(optimizer) -> dict:
+    """megatron's fully-reshardable format where a DistributedOptimizer is in the chain (its default,
+    fully_sharded_model_space, cannot be saved with megatron-core 0.19's flattened-range check), else none."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if any(isinstance(member, DistributedOptimizer) for member in _members(optimizer)):
+        return {"distrib_optim_sharding_type": "fully_reshardable"}
+    return {}
+
+
 def sharded_state_dict(model, optimizer, is_loading: bool, extra: dict | None = None,
                        model_metadata: dict | None = None, optimizer_metadata: dict | None = None) -> dict:
     """The model's (all chunks) and optimizer's sharded state dicts, in the structure megatron's pretrain uses.
@@ -55,7 +65,8 @@ def sharded_state_dict(model, optimizer, is_loading: bool, extra: dict | None = 
             state[f"model{index}"] = chunk.sharded_state_dict(metadata=dict(metadata))
         model_state_for_optimizer = {k: v for k, v in state.items()}
     if optimizer is not None:
-        optimizer_kwargs = {} if optimizer_metadata is None else {"metadata": dict(optimizer_metadata)}
+        optimizer_metadata = default_optimizer_metadata(optimizer) if optimizer_metadata is None else optimizer_metadata
+        optimizer_kwargs = {"metadata": dict(optimizer_metadata)} if optimizer_metadata else {}
         state["optimizer"] = optimizer.sharded_state_dict(
             model_state_for_optimizer, is_loading=is_loading, **optimizer_kwargs
         )
@@ -77,6 +88,8 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict 
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
+    if optimizer is not None and optimizer_metadata is None:
+        optimizer_metadata = default_optimizer_metadata(optimizer)
     state = sharded_state_dict(model, optimizer, False, extra, model_metadata, optimizer_metadata)
     content_metadata = {**_model_metadata(model_metadata), **(optimizer_metadata or {})}
     dist_checkpointing.save(state, str(staging), content_metadata=content_metadata)

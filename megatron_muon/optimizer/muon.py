@@ -151,6 +151,7 @@ class Muon(torch.optim.Optimizer):
         # id(parameter) -> its 16-bit model copy (megatron's fp32 masters): each step writes the updated parameter
         # rounded into it, inside the fused update pass where it can (`megatron.muon_model_copy`)
         self.model_copies: dict[int, torch.Tensor] = {}
+        self.orthogonalized_matrices = 0  # matrices this optimizer has run Newton–Schulz on (tests count these)
         super().__init__(params, defaults)
 
     # ---- setup and validation ----
@@ -272,6 +273,7 @@ class Muon(torch.optim.Optimizer):
             out_dtype=work_dtype(full, group["method"], self.compute_dtype) if narrow_result else None,
         )
         full_shape = tuple(full.shape[-2:])
+        self.orthogonalized_matrices += full.shape[0] if full.dim() == 3 else 1
         if bucket.tp_group is not None:
             ortho = local_tp_shard(ortho, bucket.tp_group, bucket.partition_dim)
         return ortho, full_shape

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
+from megatron_muon.kernels.newton_schulz import work_dtype
 from megatron_muon.optimizer import muon_math
 from megatron_muon.optimizer.muon import Muon, _Bucket, _Plan
 from megatron_muon.optimizer.routing import piece_views
@@ -124,6 +125,50 @@ class WaveMuon(Muon):
     def _ema_in_fused_pass(self, param: torch.Tensor) -> bool:
         """Prepared buckets skip the stacking pass, so their momentum EMA runs eagerly (same rounding)."""
         return id(param) not in getattr(self, "_for_step_params", ())
+
+    def _orthogonalize_bucket(self, bucket: _Bucket, stacked: torch.Tensor, narrow_result: bool = False):
+        """Tensor-parallel buckets: each matrix is assembled on one TP rank only (matrix j on rank j mod tp), which
+        runs its Newton–Schulz; one all-to-all brings the shards in and one takes the results back, so the TP ranks
+        share the work instead of repeating it. Same full matrices, same per-matrix result as gathering everywhere."""
+        if bucket.tp_group is None:
+            return super()._orthogonalize_bucket(bucket, stacked, narrow_result)
+        import torch.distributed as dist
+
+        group, dim = bucket.tp_group, bucket.partition_dim + 1
+        tp, me = dist.get_world_size(group), dist.get_rank(group)
+        count = stacked.shape[0]
+        mine = list(range(me, count, tp))
+        order = [j for r in range(tp) for j in range(r, count, tp)]  # matrices grouped by the rank that runs them
+        shard = stacked[0].numel()
+        send = stacked[order].contiguous()
+        received = torch.empty((len(mine) * tp, *stacked.shape[1:]), dtype=stacked.dtype, device=stacked.device)
+        dist.all_to_all_single(received.view(-1), send.view(-1), [len(mine) * shard] * tp,
+                               [len(range(r, count, tp)) * shard for r in range(tp)], group=group)
+        full = torch.cat(list(received.view(tp, len(mine), *stacked.shape[1:]).unbind(0)), dim=dim)
+        settings = self.param_groups[bucket.group_index]
+        full_shape = self._full_shape(stacked.shape[-2:], bucket.partition_dim, tp)
+        out_dtype = stacked.dtype  # known on every rank, also one that runs none of the bucket's matrices
+        if narrow_result:
+            out_dtype = work_dtype(torch.empty(full_shape, device="meta"), settings["method"], self.compute_dtype)
+        ortho = muon_math.orthogonal_update(
+            full, ns_steps=settings["ns_steps"], coefficients=settings["coefficients"], method=settings["method"],
+            eps=settings["eps"], compute_dtype=self.compute_dtype, out_dtype=out_dtype,
+        ) if mine else full.new_empty((0, *full.shape[1:]), dtype=out_dtype)
+        self.orthogonalized_matrices += len(mine)
+        back = torch.cat([part.contiguous() for part in ortho.chunk(tp, dim=dim)]) if mine else ortho.new_empty(0)
+        result = torch.empty((count, *stacked.shape[1:]), dtype=ortho.dtype, device=stacked.device)
+        arrived = torch.empty_like(result)
+        dist.all_to_all_single(arrived.view(-1), back.reshape(-1).contiguous(),
+                               [len(range(r, count, tp)) * shard for r in range(tp)], [len(mine) * shard] * tp,
+                               group=group)
+        result[order] = arrived
+        return result, full_shape
+
+    @staticmethod
+    def _full_shape(local: torch.Size, partition_dim: int, tp: int) -> tuple[int, int]:
+        shape = list(local)
+        shape[partition_dim] *= tp
+        return shape[0], shape[1]
 
     def _bucket_update(self, bucket_index: int, bucket: _Bucket, plan: _Plan, sources, factor):
         ready = getattr(self, "_for_step", {}).get(bucket_index)

@@ -17,28 +17,34 @@ from megatron_muon.testing.training import (  # noqa: F401  (merged_params, max_
 from tests.megatron.muon_training import one_thread
 
 
+def owner_optimizers(optimizer) -> list:
+    """The OwnerMuonOptimizer members of a megatron optimizer chain."""
+    from megatron_muon.megatron.owner_optimizer import OwnerMuonOptimizer
+
+    return [c for c in getattr(optimizer, "chained_optimizers", []) if isinstance(c, OwnerMuonOptimizer)]
+
+
 def owner_engines(optimizer) -> list:
-    """The OwnerMuon instances inside a megatron optimizer chain."""
-    from megatron_muon.distributed.owner_muon import OwnerMuon
-
-    children = getattr(optimizer, "chained_optimizers", None)
-    if children is not None:
-        return [e for child in children for e in owner_engines(child)]
-    inner = getattr(optimizer, "optimizer", None)
-    return [inner] if isinstance(inner, OwnerMuon) else []
+    """The WaveMuon engines of the owner optimizers in a megatron optimizer chain."""
+    return [engine for owner in owner_optimizers(optimizer) for engine in owner.engines]
 
 
-def build(tp: int, pp: int, name: str, precision: str, model: str, lr: float = 0.01, clip_grad: float | None = None):
+def build(tp: int, pp: int, name: str, precision: str, model: str, lr: float = 0.01, clip_grad: float | None = None,
+          ddp_overrides: dict | None = None):
     """The tiny model and optimizer `name` on a fresh (tp, pp) layout of the pool's world."""
     init_model_parallel(tp=tp, pp=pp)
-    return build_muon_setup(name, precision, model, lr=lr, clip_grad=clip_grad)
+    return build_muon_setup(name, precision, model, lr=lr, clip_grad=clip_grad, ddp_overrides=ddp_overrides)
 
 
-def train(rank, world_size, tp: int, pp: int, name: str, precision: str, model: str, steps: int):
-    """`steps` steps on a layout; returns losses, gathered full parameters (global names), NS counts and the
-    dtypes the Muon engines iterate Newton–Schulz in."""
+OVERLAP = {"overlap_grad_reduce": True, "bucket_size": 6000}  # several buckets, each reduced during the backward
+
+
+def train(rank, world_size, tp: int, pp: int, name: str, precision: str, model: str, steps: int,
+          ddp_overrides: dict | None = None):
+    """`steps` steps on a layout; returns losses, gathered full parameters (global names), NS counts, the
+    speculation counters and the dtypes the Muon engines iterate Newton–Schulz in."""
     with one_thread():
-        model_, optimizer = build(tp, pp, name, precision, model)
+        model_, optimizer = build(tp, pp, name, precision, model, ddp_overrides=ddp_overrides)
         losses = [train_step(model_, optimizer, step) for step in range(steps)]
         engines = owner_engines(optimizer)
         return {
@@ -46,8 +52,9 @@ def train(rank, world_size, tp: int, pp: int, name: str, precision: str, model: 
             "params": full_parameters(model_),
             "layout": layout(),
             "orthogonalized": sum(e.orthogonalized_matrices for e in engines),
-            "units": sum(len(e.owners) for e in engines),
-            "owners": [sorted(set(e.owners)) for e in engines],
+            "speculation_used": sum(e.speculation_used for e in engines),
+            "speculation_discarded": sum(e.speculation_discarded for e in engines),
+            "owned": sum(p.numel() for e in engines for g in e.param_groups for p in g["params"]),
             "ns_dtypes": sorted({str(e.compute_dtype) for e in engines}),
         }
 
@@ -100,9 +107,8 @@ def _muon_piece_count(optimizer) -> int:
     """Matrices megatron_muon.optimizer.Muon orthogonalizes per step on this rank (its own bucket plan)."""
     from megatron_muon.testing.training import muon_engines
 
-    members = muon_engines(optimizer)
     total = 0
-    for muon in members:
+    for muon in muon_engines(optimizer):
         plan = muon._plan_cache[1]
         for bucket in plan.buckets:
             for index, piece in bucket.items:
@@ -111,31 +117,26 @@ def _muon_piece_count(optimizer) -> int:
 
 
 def train_pair(rank, world_size, tp: int, pp: int, precision: str, model: str, steps: int, clip_grad: float = 1.0,
-               overlap_grad_reduce: bool = False):
+               ddp_overrides: dict | None = None):
     """dist_muon and muon from the same initial weights on the same layout and batches; also what each step handed
-    to collectives (after a first step that plans) and the gradient norm megatron reports. `overlap_grad_reduce`
-    switches DDP to launching each bucket group's sync from its backward hooks (asynchronous collectives)."""
+    to data-parallel collectives (after a first step) and the gradient norm megatron reports."""
     from megatron.core import parallel_state as ps
 
     results = {}
     with one_thread():
         for name in ("dist_muon", "muon"):
-            model_, optimizer = build(tp, pp, name, precision, model, clip_grad=clip_grad)
-            if overlap_grad_reduce:  # the hooks and bucket groups read this shared config at every call
-                assert all(g.ddp_config is model_.ddp_config for g in model_.bucket_groups)
-                model_.ddp_config.overlap_grad_reduce = True
+            model_, optimizer = build(tp, pp, name, precision, model, clip_grad=clip_grad,
+                                      ddp_overrides=ddp_overrides if name == "dist_muon" else None)
             norms, step_ = [], optimizer.step
 
             def step_and_record_norm():
                 outcome = step_()
-                norms.append(float(outcome[1]))  # a device tensor, as with Transformer Engine
+                norms.append(float(outcome[1]))
                 return outcome
 
             optimizer.step = step_and_record_norm
             engines = owner_engines(optimizer)
             losses = [train_step(model_, optimizer, 0)]
-            for engine in engines:
-                engine.comm_counter.reset()
             counts: dict = {}
             with counted_collectives(counts, ps.get_data_parallel_group()):
                 losses += [train_step(model_, optimizer, step) for step in range(1, steps)]
@@ -143,13 +144,9 @@ def train_pair(rank, world_size, tp: int, pp: int, precision: str, model: str, s
                 "losses": losses,
                 "params": full_parameters(model_),
                 "orthogonalized": sum(e.orthogonalized_matrices for e in engines),
+                "speculation_used": sum(e.speculation_used for e in engines),
                 "grad_norms": norms,
                 "collective_numel_per_step": {k: v / (steps - 1) for k, v in counts.items()},
-                "comm_calls": [dict(e.comm_counter.calls) for e in engines],
-                "comm_numel": [dict(e.comm_counter.numel) for e in engines],
-                "comm_bytes": [dict(e.comm_counter.bytes) for e in engines],
-                "rounds": [len(e._rounds([e._params_in_order()[1][u.param_index] for u in e._units])) for e in engines],
-                "muon_numel": sum(p.numel() for e in engines for p in e.managed_parameters()),
                 "param_numel": sum(p.numel() for p in model_.parameters() if p.requires_grad),
             }
             if name == "muon":  # one replica of each stage counts its matrices once
@@ -171,8 +168,7 @@ def checkpoint_then_continue(rank, world_size, tp: int, directory: str, save_at:
             if drop_momentum:
                 for engine in owner_engines(optimizer):
                     for state in engine.state.values():
-                        state.pop("momentum_buffer", None)
-                    engine._loaded_momentum = False
+                        state["momentum_buffer"].zero_()
             steps = range(save_at, total)
         else:
             for step in range(save_at):

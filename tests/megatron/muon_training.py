@@ -32,21 +32,27 @@ def _build_model(model_kind: str, precision: str):
     return model, config
 
 
-def _wrap_for_training(model, config, precision: str, use_distributed_optimizer: bool = False):
-    """Float16Module (bf16/fp16) + DDP; with `use_distributed_optimizer` the params are first tagged so DDP puts
-    Muon matrices and AdamW params in separate buffers (megatron's layer-wise + DistributedOptimizer layout)."""
+def _wrap_for_training(model, config, precision: str, layout: str | None = None):
+    """Float16Module (bf16/fp16) + DDP. `layout`: None (all-reduce), "owner" (the plugin's owner layout) or
+    "megatron" (megatron's own layer-wise layout and tags, as Megatron-LM builds DDP for `--optimizer muon
+    --use-distributed-optimizer`)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer.layer_wise_optimizer import tag_params_for_buffer_routing
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer, tag_params_for_buffer_routing
     from megatron.core.transformer.module import Float16Module
 
-    if use_distributed_optimizer:
-        tag_params_for_buffer_routing([model])
+    from megatron_muon.testing.training import wrap_in_ddp
+
     if precision in ("bf16", "fp16"):
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
-    )
-    model = DistributedDataParallel(config, ddp_config, model)
+    if layout == "megatron":
+        tag_params_for_buffer_routing([model])
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        full = LayerWiseDistributedOptimizer.compute_full_param_layout(
+            [p for p in model.parameters() if p.requires_grad], None, ps.get_data_parallel_world_size(), ddp_config)
+        model = DistributedDataParallel(config, ddp_config, model, full_param_layout=full)
+    else:
+        model = wrap_in_ddp(model, config, use_distributed_optimizer=layout == "owner", owner_layout=layout == "owner")
     config.finalize_model_grads_func = finalize_model_grads
     return model
 
@@ -85,7 +91,9 @@ def train_tiny_gpt(
     rank, world_size, tp: int, name: str, precision: str, steps: int, distributed_layout: bool = False,
     model_kind: str = "gpt", layer_wise: bool = False, **muon_options
 ):
-    """Train the tiny GPT `steps` steps; returns losses, optimizer types, and a TP-independent weight digest."""
+    """Train the tiny GPT `steps` steps; returns losses, optimizer types, and a TP-independent weight digest.
+    `distributed_layout`: DDP in the owner layout (what `dist_muon` always gets); `layer_wise`: in megatron's own
+    layer-wise layout instead."""
     with one_thread():
         return _train_tiny_gpt(tp, name, precision, steps, distributed_layout, model_kind, layer_wise, **muon_options)
 
@@ -104,19 +112,12 @@ def one_thread():
 def _train_tiny_gpt(tp, name, precision, steps, distributed_layout, model_kind="gpt", layer_wise=False,
                     **muon_options):
     import megatron_muon
-    from megatron_muon.megatron import optimizer_registry
 
     megatron_muon.register()
-    if layer_wise:  # dist_muon through megatron's LayerWiseDistributedOptimizer around our Muon, for this run only
-        saved_builder = optimizer_registry._dist_muon_builder
-        optimizer_registry.set_dist_muon_builder(optimizer_registry.build_dist_muon)
-        try:
-            return _train_tiny_gpt(tp, name, precision, steps, distributed_layout, model_kind, **muon_options)
-        finally:
-            optimizer_registry.set_dist_muon_builder(saved_builder)
     init_model_parallel(tp=tp)
     model, config = _build_model(model_kind, precision)
-    model = _wrap_for_training(model, config, precision, distributed_layout)
+    layout = "megatron" if layer_wise else "owner" if distributed_layout or name == "dist_muon" else None
+    model = _wrap_for_training(model, config, precision, layout)
     optimizer = build_optimizer(model, name, precision, **muon_options)
     losses, skipped = [], 0
     for step in range(steps):
