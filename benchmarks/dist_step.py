@@ -1,9 +1,9 @@
-"""The data-parallel training step on W GPUs: our dist_muon against megatron's distributed AdamW and upstream's
-dist_muon, in one launch, on the same model, seed and mock batches.
+"""The data-parallel training step on W GPUs: our Muon with the distributed optimizer against megatron's distributed
+AdamW and upstream's layer-wise Muon, in one launch, on the same model, seed and mock batches.
 
   torchrun --nproc-per-node 4 benchmarks/dist_step.py --variants adam,ours,upstream --out results/dist_step.md
   torchrun --nproc-per-node 4 benchmarks/dist_step.py --recipe gpt-7b-h200 --out results/dist_step_gpt7b.md
-  torchrun --nproc-per-node 4 benchmarks/dist_step.py --variants ours,ours-lpt,ours-numel,upstream \\
+  torchrun --nproc-per-node 4 benchmarks/dist_step.py --variants ours,ours-greedy,ours-numel,ours-no-overlap \\
       --set training.torch_compile=false --out results/dist_step_balance.md
 
 Every rank is a data-parallel rank (tp = pp = 1) with one micro-batch of the recipe's sequence length per step.
@@ -52,17 +52,20 @@ class Variant:
     optimizer: str  # registered megatron optimizer name (`dist_` = megatron's layer-wise distributed builder)
     distributed_optimizer: bool = False  # megatron's ZeRO-1 DistributedOptimizer (AdamW's usual setting)
     plan_method: str = "auto"
-    plan_cost: object = None  # None: Newton–Schulz FLOPs; "profile"; or a CostModel
+    plan_cost: object = None  # None: Newton–Schulz FLOPs, or a CostModel
+    overlap_newton_schulz: bool = True
 
 
 VARIANTS = {v.key: v for v in (
     Variant("adam", "megatron DistributedOptimizer, AdamW (fused)", "adam", distributed_optimizer=True),
-    Variant("ours", "our dist_muon (owner plan: MILP on NS FLOPs)", "dist_muon"),
-    Variant("ours-profile", "our dist_muon (owner plan: MILP on measured NS times)", "dist_muon",
-            plan_cost="profile"),
-    Variant("ours-lpt", "our dist_muon (owner plan: LPT greedy on NS FLOPs)", "dist_muon", plan_method="lpt"),
-    Variant("ours-numel", "our dist_muon (owner plan: balanced by numel, as upstream)", "dist_muon",
-            plan_method="lpt", plan_cost=NumelCost()),
+    Variant("ours", "our muon + distributed optimizer (owner plan: MILP on NS FLOPs, NS in the backward)", "muon",
+            distributed_optimizer=True),
+    Variant("ours-no-overlap", "ours, Newton-Schulz after the backward", "muon", distributed_optimizer=True,
+            overlap_newton_schulz=False),
+    Variant("ours-greedy", "ours (owner plan: greedy on NS FLOPs)", "muon", distributed_optimizer=True,
+            plan_method="greedy"),
+    Variant("ours-numel", "ours (owner plan: balanced by numel, as upstream)", "muon", distributed_optimizer=True,
+            plan_method="greedy", plan_cost=NumelCost()),
     Variant("upstream", "megatron-core dist_muon (LayerWiseDistributedOptimizer + TensorParallelMuon)",
             "dist_mcore_muon"),
 )}
@@ -79,9 +82,9 @@ class NewtonSchulzTimer:
     def install(self) -> None:
         from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-        from megatron_muon.distributed.owner_muon import OwnerMuon
+        from megatron_muon.optimizer.wave_muon import WaveMuon
 
-        for owner, name in ((OwnerMuon, "_orthogonalize_owned"), (TensorParallelMuon, "orthogonalize")):
+        for owner, name in ((WaveMuon, "_orthogonalize_bucket"), (TensorParallelMuon, "orthogonalize")):
             original = getattr(owner, name)
             self._restore.append((owner, name, original))
             setattr(owner, name, self._timed(original))
@@ -116,15 +119,14 @@ class NewtonSchulzTimer:
         return sum(end - start for start, end in self.intervals) * 1e3
 
 
-def owner_plan_summary(optimizer) -> dict | None:
-    from megatron_muon.testing.training import muon_engines
-
-    plans = [engine.owner_plan for engine in muon_engines(optimizer) if getattr(engine, "owner_plan", None)]
+def owner_plan_summary(model) -> dict | None:
+    """The owner layout's plan (first Muon buffer): method, matrices, predicted finish time of the busiest rank."""
+    layouts = getattr(getattr(model, "full_param_layout", None), "layouts", {})
+    plans = [layout.owner_plan for layout in layouts.values() if getattr(layout, "owner_plan", None)]
     if not plans:
         return None
-    plan = plans[0]
-    return {"method": plan.method, "matrices": len(plan.matrices), "predicted_makespan": plan.makespan,
-            "lower_bound": plan.lower_bound}
+    return {"method": plans[0].method, "matrices": len(plans[0].owners), "predicted_makespan": plans[0].makespan_s,
+            "padding": plans[0].padding()}
 
 
 def variant_recipe(base, variant: Variant, world: int):
@@ -137,7 +139,7 @@ def variant_recipe(base, variant: Variant, world: int):
 def run_variant(base_recipe, variant: Variant, ctx, args, timer: NewtonSchulzTimer) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_muon.megatron.dist_muon import set_owner_plan
+    from megatron_muon.megatron.owner_layout import set_owner_plan
     from megatron_muon.metrics import MfuCalculator, peak_tflops
     from megatron_muon.training.data import MicroBatches, build_train_dataset
     from megatron_muon.training.validation import model_shape
@@ -155,6 +157,9 @@ def run_variant(base_recipe, variant: Variant, ctx, args, timer: NewtonSchulzTim
     try:
         set_owner_plan(variant.plan_method, variant.plan_cost)
         model, optimizer, _ = build_rung(recipe, rung, ctx.device.type == "cuda")
+        for member in getattr(optimizer, "chained_optimizers", []):
+            if hasattr(member, "overlap_newton_schulz"):
+                member.overlap_newton_schulz = variant.overlap_newton_schulz
         batches = MicroBatches(build_train_dataset(recipe, args.data_dir), 1, ctx.world_size,
                                ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ctx.device)
         records = train_steps(model, optimizer, batches, recipe, args.warmup)
@@ -176,7 +181,7 @@ def run_variant(base_recipe, variant: Variant, ctx, args, timer: NewtonSchulzTim
             step_ms=step_s * 1e3, fwd_bwd_ms=statistics.median(f for f, _, _, _ in timed) * 1e3,
             optimizer_ms=statistics.median(o for _, o, _, _ in timed) * 1e3,
             tokens_per_s=tokens_per_gpu * ctx.world_size / step_s, losses=[loss for _, _, loss, _ in records],
-            plan=owner_plan_summary(optimizer), **MfuCalculator.for_model(model_shape(recipe), peak)(
+            plan=owner_plan_summary(model), **MfuCalculator.for_model(model_shape(recipe), peak)(
                 tokens_per_gpu / step_s))
         if recipe.training.torch_compile:
             row.update(compile_stats())
@@ -233,7 +238,7 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
             f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "-",
             f"{min(ns):.1f}-{max(ns):.1f}" if ns and max(ns) > 0 else "-",
             f"{spread(ns):.3f}" if ns and max(ns) > 0 else "-",
-            f"{plan['method']}, predicted {plan['predicted_makespan']:.3g} (bound {plan['lower_bound']:.3g})"
+            f"{plan['method']}, predicted {plan['predicted_makespan']:.3g}, padding {plan['padding']}"
             if plan else "-",
             f"{max(memory):.1f}" if memory else "-",
             f"{row['losses'][0]:.3f} → {row['losses'][-1]:.3f}",

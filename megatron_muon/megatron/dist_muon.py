@@ -43,6 +43,21 @@ def check_ddp_for_owner_engine(model_chunks, muon_params: set, other_params: set
                     f"{len(wrong)} parameters sit in a DDP buffer of the other optimizer ({'Muon' if tagged else 'AdamW'} "
                     f"buffer, e.g. shape {tuple(wrong[0].shape)}): the Muon matrices must be tagged before DDP is "
                     f"built; {_WRAP_HINT}")
+            if tagged:
+                _check_whole_matrices(buffer)
+
+
+def _check_whole_matrices(buffer) -> None:
+    """Each Muon matrix must lie inside one data-parallel shard of its bucket (its owner's)."""
+    dp = buffer.data_parallel_world_size
+    for bucket in buffer.buckets:
+        shard = bucket.grad_data.numel() // dp
+        for param in bucket.params_list:
+            start, end = bucket.param_to_index[param]
+            if start // shard != (end - 1) // shard:
+                raise ValueError(
+                    f"a Muon matrix of shape {tuple(param.shape)} crosses a data-parallel shard boundary of its DDP "
+                    f"bucket, so no single rank owns it: the DDP layout is not an owner layout; {_WRAP_HINT}")
 
 
 def _duplicate_group(group):

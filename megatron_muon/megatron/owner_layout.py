@@ -11,6 +11,7 @@ replica lays its buffers out identically even when the solver's time limit makes
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -94,14 +95,14 @@ def _stage_grid():
                      device=device)
 
 
-def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=None):
+def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=None, tokens_per_step=None):
     """megatron's PerBufferParamLayout for one Muon buffer: owner-planned, whole matrices per shard."""
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.optimizer.param_layout import PerBufferParamLayout
 
     cost = _settings["cost"] or AnalyticCost()
     items = layout_items(params, cost, _tp_size())
-    tokens = _settings["tokens_per_step"]
+    tokens = tokens_per_step or _settings["tokens_per_step"]
     # a matrix's weight and input gradients are ~4·tokens FLOPs per element, at the cost model's rate
     per_element = 4.0 * tokens / getattr(cost, "flops_per_s", AnalyticCost().flops_per_s) if tokens else 0.0
     divisor = math.lcm(LayerWiseDistributedOptimizer._shard_divisor(dp, ddp_config), 64)
@@ -109,24 +110,29 @@ def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=
     first = grid is None or grid.slot == 0  # only the first rank solves; the others adopt its plan
     plan = plan_owner_layout(items, dp, bucket_size, divisor, per_element, _settings["method"] if first else "greedy")
     if grid is not None:
-        owners = grid.broadcast_from_first_slot(torch.tensor(plan.owners, dtype=torch.int64)).tolist()
-        plan = plan_owner_layout(items, dp, bucket_size, divisor, per_element, owners=owners)
+        methods = ("greedy", "milp")
+        shared = grid.broadcast_from_first_slot(torch.tensor([*plan.owners, methods.index(plan.method)])).tolist()
+        plan = replace(plan_owner_layout(items, dp, bucket_size, divisor, per_element, owners=shared[:-1]),
+                       method=methods[shared[-1]])
     index_map = {}
     for bucket_id, members in enumerate(plan.buckets):
         for i in members:
             index_map[params[i]] = (*plan.ranges[i], bucket_id)
-    return PerBufferParamLayout(
+    layout = PerBufferParamLayout(
         param_index_map=index_map,
         bucket_indices=list(plan.bucket_ranges),
         per_bucket_numel_unpadded=[sum(params[i].numel() for i in members) for members in plan.buckets],
         param_indices=param_indices if param_indices is not None else [],
         num_optimizer_shards=dp,
     )
+    layout.owner_plan = plan  # for reports: method, predicted finish times, padding
+    return layout
 
 
 def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp_config,
-                              expert_data_parallel_world_size=None):
-    """megatron's `FullParamLayout` for all of `params`: owner-planned Muon buffers, distributed-optimizer rest."""
+                              expert_data_parallel_world_size=None, tokens_per_step: int | None = None):
+    """megatron's `FullParamLayout` for all of `params`: owner-planned Muon buffers, distributed-optimizer rest.
+    `tokens_per_step` (per rank) overrides `set_owner_plan`'s."""
     from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.param_layout import FullParamLayout
@@ -140,7 +146,7 @@ def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp
             if key.is_expert_parallel:
                 raise ValueError("expert-parallel Muon matrices are not laid out by owner yet; use --optimizer muon "
                                  "without --use-distributed-optimizer for MoE models")
-            layouts[key] = owner_buffer_layout(group, bucket_size, dp, ddp_config, param_indices)
+            layouts[key] = owner_buffer_layout(group, bucket_size, dp, ddp_config, param_indices, tokens_per_step)
         else:
             layouts[key] = DistributedOptimizer._compute_per_buffer_param_layout(
                 group, bucket_size, dp, ddp_config, param_indices)

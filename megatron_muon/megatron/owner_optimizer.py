@@ -180,13 +180,36 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         for group, saved in zip(groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
-    def allow_speculation(self, grad_norm) -> None:
-        """Called with the step's global gradient norm: the speculative updates hold iff nothing is clipped."""
+    def allow_speculation(self, grad_norm, model_chunks=()) -> None:
+        """Called with the step's global gradient norm: the speculative updates hold iff nothing is clipped. A
+        non-finite norm stops the step on every rank, before any state changes, naming a parameter."""
         clip = self.config.clip_grad
         norm = float(grad_norm)
-        valid = clip <= 0.0 or (math.isfinite(norm) and clip / (norm + 1.0e-6) >= 1.0)
+        if not math.isfinite(norm):
+            raise ValueError(f"non-finite gradient norm ({norm}): a NaN or Inf gradient reached the optimizer, first in "
+                             f"{_first_non_finite(model_chunks)}; no optimizer state was changed. Lower the learning "
+                             "rate or skip this batch (megatron's check_for_nan_in_grad stops at the source).")
+        valid = clip <= 0.0 or clip / (norm + 1.0e-6) >= 1.0
         for engine in self.engines:
             engine.speculation_valid = valid
+
+
+def _first_non_finite(model_chunks) -> str:
+    """The first parameter (by name, over every rank; collective) whose reduced gradient holds a NaN or Inf."""
+    local = None
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                local = f"{name} (shape {tuple(param.shape)})"
+                break
+        if local:
+            break
+    found = [local]
+    if torch.distributed.is_initialized():
+        found = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(found, local)
+    return next((f for f in found if f), "a parameter whose gradient was not kept")
 
 
 def _load_fully_reshardable(distributed_optimizer, param_state) -> None:
@@ -222,7 +245,7 @@ class OwnerMuonChain(ChainedOptimizer):
         norm = super().get_grad_norm()
         for child in self.chained_optimizers:
             if isinstance(child, OwnerMuonOptimizer):
-                child.allow_speculation(norm)
+                child.allow_speculation(norm, self.model_chunks)
         return norm
 
     def load_state_dict(self, state_dict):

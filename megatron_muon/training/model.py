@@ -128,7 +128,7 @@ def _owner_layout(module, ddp_config, recipe: Recipe):
     """The owner-planned DDP layout, with DDP's own bucket size rule; the plan knows the tokens per rank."""
     from megatron.core import parallel_state as ps
 
-    from megatron_muon.megatron.owner_layout import compute_full_param_layout, set_owner_plan, tag_params_for_owner_buffers
+    from megatron_muon.megatron.owner_layout import compute_full_param_layout, tag_params_for_owner_buffers
 
     tag_params_for_owner_buffers([module])
     dp = ps.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
@@ -137,9 +137,8 @@ def _owner_layout(module, ddp_config, recipe: Recipe):
         bucket_size = None  # as DDP does: one bucket when nothing overlaps the backward
     tokens = recipe.training.micro_batch_size * recipe.model.seq_length * max(
         1, recipe.training.global_batch_size // (recipe.training.micro_batch_size * dp))
-    set_owner_plan(tokens_per_step=tokens)
     params = [p for p in module.parameters() if p.requires_grad]
-    return compute_full_param_layout(params, bucket_size, dp, ddp_config)
+    return compute_full_param_layout(params, bucket_size, dp, ddp_config, tokens_per_step=tokens)
 
 
 def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True):
@@ -159,9 +158,9 @@ def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True):
         use_distributed_optimizer=distributed,
         overlap_param_gather=recipe.parallel.overlap_param_gather and distributed,
     )
-    layout = _owner_layout(module, ddp_config, recipe) if owner else None
     if recipe.training.precision in ("bf16", "fp16"):
         module = Float16Module(config, module)
+    layout = _owner_layout(module, ddp_config, recipe) if owner else None  # after the cast: buffers key on dtype
     model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
     model.broadcast_params()
     if fast_main_grad_add:
