@@ -145,6 +145,54 @@ def _greedy(items, buckets, dp, caps, release_s) -> list[int]:
     return owners
 
 
+def _improve(items, buckets, owners, dp, caps, release_s, max_rounds: int = 200) -> list[int]:
+    """Deterministic local search: the best single move or same-bucket swap of a matrix of the latest-finishing
+    rank that lowers the latest finish time and keeps every shard within its room."""
+    owners = list(owners)
+    bucket_of = [0] * len(items)
+    for b, members in enumerate(buckets):
+        for i in members:
+            bucket_of[i] = b
+    used = defaultdict(int)
+    for i, r in enumerate(owners):
+        used[(bucket_of[i], r)] += _pad(items[i].numel, PARAM_ALIGNMENT)
+
+    def makespan(candidate):
+        return max(finish_times(items, buckets, candidate, dp, release_s).values())
+
+    best = makespan(owners)
+    for _ in range(max_rounds):
+        finish = finish_times(items, buckets, owners, dp, release_s)
+        worst = max(range(dp), key=lambda r: (finish[r], r))
+        found = None
+        for i in (i for i in range(len(items)) if owners[i] == worst):
+            b, size = bucket_of[i], _pad(items[i].numel, PARAM_ALIGNMENT)
+            for r in range(dp):
+                if r == worst:
+                    continue
+                moves = [(None, size)] + [(j, size - _pad(items[j].numel, PARAM_ALIGNMENT))
+                                         for j in buckets[b] if owners[j] == r]
+                for j, growth in moves:
+                    if used[(b, r)] + growth > caps[b] or used[(b, worst)] - growth > caps[b]:
+                        continue
+                    trial = list(owners)
+                    trial[i] = r
+                    if j is not None:
+                        trial[j] = worst
+                    value = makespan(trial)
+                    if value < best * (1 - 1e-9) and (found is None or value < found[0]):
+                        found = (value, i, r, j, growth)
+        if found is None:
+            break
+        best, i, r, j, growth = found
+        owners[i] = r
+        if j is not None:
+            owners[j] = worst
+        used[(bucket_of[i], r)] += growth
+        used[(bucket_of[i], worst)] -= growth
+    return owners
+
+
 def _milp(items, buckets, dp, caps, release_s, upper_bound: float, time_limit_s: float) -> list[int] | None:
     """Min latest finish over per-(bucket, kind) counts per rank, with per-(bucket, rank) room and launch indicators."""
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -260,6 +308,8 @@ def plan_owner_layout(items: list[LayoutItem], dp: int, bucket_size: int | None,
         owners, chosen = list(owners), "given"
     else:
         owners, chosen = _greedy(items, buckets, dp, caps, release), "greedy"
+        if dp > 1 and items:
+            owners = _improve(items, buckets, owners, dp, caps, release)
     if chosen == "greedy" and dp > 1 and items and method != "greedy":
         best = max(finish_times(items, buckets, owners, dp, release).values())
         solved = _milp(items, buckets, dp, caps, release, best, time_limit_s)

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from megatron_muon.megatron.owner_layout import TAG
+from megatron_muon.megatron.owner_layout import TAG, tag_fused_projections
 from megatron_muon.megatron.owner_optimizer import OwnerMuonChain, OwnerMuonOptimizer
 from megatron_muon.optimizer.wave_muon import WaveMuon
 
@@ -86,6 +86,7 @@ def build_owner_muon(config, model_chunks, config_overrides, pg_collection):
                          "optimizer step; set overlap_param_gather_with_optimizer_step=False")
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    tag_fused_projections(model_chunks)
     entry = _EMERGING_OPTIMIZERS["muon"]
     overrides = dict(config_overrides or {})
     for key, override in copy.deepcopy(entry.default_param_overrides).items():

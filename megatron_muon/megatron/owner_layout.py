@@ -36,23 +36,30 @@ def set_owner_plan(method: str = "auto", cost: CostModel | None = None, tokens_p
     _settings.update(method=method, cost=cost, tokens_per_step=tokens_per_step)
 
 
-def tag_params_for_owner_buffers(model_chunks) -> None:
-    """Mark the Muon matrices so megatron's DDP gives them their own buffers, and tag fused projections (QKV, GDN
-    in_proj) so the plan costs their parts. Call on the model chunks before wrapping them in DDP."""
+def tag_fused_projections(model_chunks) -> None:
+    """megatron's `is_qkv` split tags on QKV weights (as its emerging-optimizer factory sets them) and ours on GDN
+    in_proj weights, so Muon orthogonalizes each part on its own."""
     from megatron.core.optimizer.emerging_optimizers import _get_qkv_split_shapes
 
     for chunk in model_chunks:
         tag_fused_in_proj(chunk)
         config = getattr(chunk, "config", None)
         for name, param in chunk.named_parameters():
-            if not param.requires_grad:
-                continue
-            setattr(param, TAG, is_muon_param(param, name))
             if config is not None and "linear_qkv.weight" in name and param.ndim == 2 \
                     and not getattr(param, "is_qkv", False):
                 shapes = _get_qkv_split_shapes(config)
                 if param.shape[0] % sum(shapes) == 0:
                     param.is_qkv, param.qkv_split_shapes = True, shapes
+
+
+def tag_params_for_owner_buffers(model_chunks) -> None:
+    """Mark the Muon matrices so megatron's DDP gives them their own buffers, and tag fused projections (QKV, GDN
+    in_proj) so the plan costs their parts. Call on the model chunks before wrapping them in DDP."""
+    tag_fused_projections(model_chunks)
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad:
+                setattr(param, TAG, is_muon_param(param, name))
 
 
 def _tp_size() -> int:

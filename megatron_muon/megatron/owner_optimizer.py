@@ -31,6 +31,24 @@ def _muon_bucket_groups(chunk) -> list:
             if group.buckets and _bucket_is_managed_by_layer_wise_optimizer(group.buckets[0], default_for_untagged=False)]
 
 
+def _check_layouts_agree(model_chunks, pg_collection) -> None:
+    """Every data-parallel replica must lay the Muon buffers out identically, or owners would disagree."""
+    import hashlib
+    import json
+
+    from megatron_muon.distributed.comm import StageGrid
+
+    spans = [[[list(bucket.param_to_index[p]) for p in bucket.params_list] + [bucket.grad_data.numel()]
+              for group in _muon_bucket_groups(chunk) for bucket in group.buckets] for chunk in model_chunks]
+    digest = int.from_bytes(hashlib.sha256(json.dumps(spans).encode()).digest()[:8], "big") >> 1
+    dp_group = getattr(pg_collection, "dp_cp", None) if pg_collection is not None else None
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else None
+    if dp_group is not None and not StageGrid(None, dp_group, device).all_equal(digest):
+        raise ValueError("data-parallel ranks disagree on the Muon buffers' layout (bucket or parameter offsets "
+                         "differ), so they would disagree on who owns each matrix: compute the DDP layout the same "
+                         "way on every rank (megatron_muon.megatron.owner_layout.compute_full_param_layout does)")
+
+
 class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     """Megatron's layer-wise distributed optimizer over owner-laid-out DDP buffers, Newton–Schulz in the backward.
 
@@ -44,6 +62,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
             fns = init_state_fn_list or [None] * len(optimizers)
             optimizers = [FP32Optimizer(o, config, fn or (lambda *_: None)) for o, fn in zip(optimizers, fns)]
             init_state_fn_list = None
+        _check_layouts_agree(model_chunks or [], pg_collection)
         super().__init__(optimizers, config, pg_collection, init_state_fn_list, model_chunks)
         self.overlap_newton_schulz = overlap_newton_schulz
         self.engines = [child.optimizer for child in self.chained_optimizers if isinstance(child.optimizer, WaveMuon)]

@@ -40,7 +40,7 @@ def test_pretrain_30_steps_on_two_ranks(tmp_path, optimizer, layout, lr):
     assert start["world_size"] == 2 and start["recipe"]["optimizer"]["name"] == optimizer
     matrix_optimizer = "megatron_muon.optimizer.muon.Muon" if optimizer == "muon" else "torch.optim.adam"
     if "use_distributed_optimizer" in layout:
-        matrix_optimizer = "megatron_muon.distributed.owner_muon.OwnerMuon"
+        matrix_optimizer = "megatron_muon.optimizer.wave_muon.WaveMuon"
     assert any(name.startswith(matrix_optimizer) for name in start["optimizer_classes"]), start["optimizer_classes"]
     assert [r["step"] for r in steps] == [10, 20, 30] and end["event"] == "end"
     assert steps[-1]["loss"] < 0.7 * steps[0]["loss"], [r["loss"] for r in steps]

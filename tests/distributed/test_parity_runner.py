@@ -163,25 +163,27 @@ def test_fp64_hybrid_runs_match_across_layouts_to_1e_6(tmp_path):
 
 def test_checkpoint_saved_on_one_layout_resumes_on_others(tmp_path):
     """`--save-at` on (tp2, dp1), `--resume` on (tp1, dp2), (tp1, pp2) and alone: the resumed runs end where the
-    uninterrupted run ends (bit-exact on the saving layout), and the comparison sees only the steps after the save."""
+    uninterrupted run ends (bit-exact on the saving layout, within fp32 layout rounding elsewhere), and the comparison
+    sees only the steps after the save. fp32: megatron's fully-reshardable DistributedOptimizer format stores the
+    AdamW state in fp32 buffers, which would round fp64 runs."""
     checkpoint = tmp_path / "ckpt"
-    saving = ("--model", "gpt", "--precision", "fp64", "--optimizer", "dist_muon", "--steps", str(STEPS),
+    saving = ("--model", "gpt", "--precision", "fp32", "--optimizer", "dist_muon", "--steps", str(STEPS),
               "--global-microbatches", "4", "--out", str(tmp_path))
     result = _parity("run", "--layout", "2,1,1", *saving, "--save-at", "3", "--checkpoint", str(checkpoint), ranks=2)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert (checkpoint / "gpt_fp64_dist_muon" / parity.SAVED_STEP_FILE).read_text().strip() == "3"
+    assert (checkpoint / "gpt_fp32_dist_muon" / parity.SAVED_STEP_FILE).read_text().strip() == "3"
     for ranks, layouts in ((2, ("2,1,1", "1,1,2", "1,2,1")), (None, ("1,1,1",))):
         result = _parity("run", "--layout", *layouts, *saving, "--resume", str(checkpoint), ranks=ranks)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert result.stdout.count("resumed after step 3") == len(layouts)
         assert f"step   {STEPS}/{STEPS}" in result.stdout and "step   3/" not in result.stdout
-    resumed = torch.load(tmp_path / "gpt_fp64_dist_muon_tp1pp2dp1_resumed.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "gpt_fp32_dist_muon_tp1pp2dp1_resumed.pt", weights_only=True)
     assert resumed["first_step"] == 3 and len(resumed["losses"]) == STEPS - 3
-    compared = _parity("compare", str(tmp_path), "--reference", "2,1,1")
+    compared = _parity("compare", str(tmp_path), "--reference", "2,1,1", "--rtol", "2e-3")
     assert compared.returncode == 0, compared.stdout + compared.stderr
     assert "4 of 4 runs match the reference" in compared.stdout
     same_layout = next(line for line in compared.stdout.splitlines()
-                       if line.startswith("gpt_fp64_dist_muon_tp2pp1dp1_"))
+                       if line.startswith("gpt_fp32_dist_muon_tp2pp1dp1_"))
     assert " 0.000e+00    0.000e+00 " in same_layout, same_layout
 
     # a resume from a directory without a parity checkpoint fails before training

@@ -116,8 +116,8 @@ def _train_tiny_gpt(tp, name, precision, steps, distributed_layout, model_kind="
     megatron_muon.register()
     init_model_parallel(tp=tp)
     model, config = _build_model(model_kind, precision)
-    layout = "megatron" if layer_wise else "owner" if distributed_layout or name == "dist_muon" else None
-    model = _wrap_for_training(model, config, precision, layout)
+    ddp_layout = "megatron" if layer_wise else "owner" if distributed_layout or name == "dist_muon" else None
+    model = _wrap_for_training(model, config, precision, ddp_layout)
     optimizer = build_optimizer(model, name, precision, **muon_options)
     losses, skipped = [], 0
     for step in range(steps):

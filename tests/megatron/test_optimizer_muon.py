@@ -5,6 +5,7 @@ import pytest
 
 from tests.megatron.muon_training import scheduled_steps, train_tiny_gpt
 
+WAVE_MUON = "megatron_muon.optimizer.wave_muon.WaveMuon"
 MUON = "megatron_muon.optimizer.muon.Muon"
 ADAMW = "torch.optim.adamw.AdamW"
 LR = 0.005
@@ -61,13 +62,14 @@ def test_gpt_tp_invariance_fp32(rank_pool_1, rank_pool_2):
 
 
 def test_layer_wise_dist_muon_dp2_equals_muon_dp1(gpt_bf16_tp1, rank_pool_2):
-    """Our Muon inside megatron's LayerWiseDistributedOptimizer (DDP buffers split Muon / AdamW). Both DP ranks see
-    the same batches here, so dp=2 must train like dp=1."""
+    """The owner engine on DDP in megatron's own layer-wise layout (as Megatron-LM builds it for `--optimizer muon
+    --use-distributed-optimizer` without the plugin's layout). Both DP ranks see the same batches here, so dp=2
+    must train like dp=1."""
     replicas = rank_pool_2.run(
         train_tiny_gpt, 1, "dist_muon", "bf16", 30, distributed_layout=True, layer_wise=True, lr=LR
     )
     assert [r["layout"]["dp"] for r in replicas] == [2, 2]
-    assert replicas[0]["types"] == [MUON, ADAMW]
+    assert replicas[0]["types"] == [WAVE_MUON, ADAMW]
     assert replicas[0]["losses"] == replicas[1]["losses"]
     np.testing.assert_allclose(replicas[0]["losses"], gpt_bf16_tp1["losses"][:30], atol=0.1)
 

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from megatron_muon.distributed.owner_muon import OwnerMuon
+from megatron_muon.optimizer.wave_muon import WaveMuon
 from megatron_muon.optimizer import Muon, fused_elementwise, fused_pieces, muon_math
 from megatron_muon.optimizer.routing import MatrixLayout, piece_views
 
@@ -241,7 +241,7 @@ def check_muon(generator, steps: int = 3) -> None:
         seed = int(torch.randint(1 << 30, (1,), generator=generator))
         initial = muon_params(torch.Generator().manual_seed(seed), dtype)
         results = {}
-        for engine, fused in itertools.product((Muon, OwnerMuon), (True, False)):
+        for engine, fused in itertools.product((Muon, WaveMuon), (True, False)):
             params = muon_params(torch.Generator().manual_seed(seed), dtype)  # deepcopy drops megatron's tags
             groups = [dict(params=params[:2] + params[3:]), dict(params=params[2:3], lr=0.01)]
 
@@ -250,7 +250,7 @@ def check_muon(generator, steps: int = 3) -> None:
 
             optimizer = run_steps(make, params, steps)
             results[engine.__name__, fused] = (params, optimizer)
-        for engine in ("Muon", "OwnerMuon"):
+        for engine in ("Muon", "WaveMuon"):
             (fused_params, fused_opt), (torch_params, torch_opt) = results[engine, True], results[engine, False]
             case = f"{engine} {dtype} {setting}"
             for i, (a, b) in enumerate(zip(fused_params, torch_params)):

@@ -31,7 +31,7 @@ def test_settings_are_checked():
 
 def test_passes_under_triton_interpreter():
     """Dtype mixes, strided and 4-D fused-QKV piece views, nesterov on/off, both lerp branches, decay on/off,
-    uncovered fallbacks, and Muon / OwnerMuon steps with the fused path forced on vs off (see the script)."""
+    uncovered fallbacks, and Muon / WaveMuon steps with the fused path forced on vs off (see the script)."""
     pytest.importorskip("triton", reason="the interpreter comes with Triton")
     run_under_interpreter(Path(__file__).with_name("_fused_interpret_check.py"))
 

@@ -1,0 +1,174 @@
+"""The owner engine's behaviour beyond parity: Newton–Schulz inside the backward, what a clipped step does with it,
+memory per rank against distributed AdamW, and the errors for inputs it cannot take (CPU, gloo)."""
+
+import pytest
+import torch
+
+from tests.distributed.dist_training import OVERLAP, build, owner_optimizers, train_step
+from tests.megatron.muon_training import one_thread
+
+
+def _wave_order(rank, world_size):
+    with one_thread():
+        model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=0.0, ddp_overrides=OVERLAP)
+        for step in range(3):
+            train_step(model, optimizer, step)
+        owner = owner_optimizers(optimizer)[0]
+        return {"log": list(owner.wave_log), "waves": len(owner._waves),
+                "used": sum(e.speculation_used for e in owner.engines)}
+
+
+def test_newton_schulz_starts_before_the_last_bucket_is_reduced(rank_pool_2):
+    """Per step the hooks see bucket k's reduce-scatter launched, orthogonalize its matrices, and only then does the
+    backward reach the next bucket: some Newton–Schulz runs before the last bucket's gradients are reduced."""
+    for result in rank_pool_2.run(_wave_order):
+        waves = result["waves"]
+        assert waves >= 2, "the test needs several buckets"
+        step = result["log"][-2 * waves:]  # the last step: every wave reduced, then speculated
+        assert [kind for kind, _ in step] == ["reduced", "speculated"] * waves
+        first_done = next(i for i, (kind, _) in enumerate(step) if kind == "speculated")
+        last_reduced = max(i for i, (kind, _) in enumerate(step) if kind == "reduced")
+        assert first_done < last_reduced
+        assert result["used"] > 0
+
+
+def _clipped_pair(rank, world_size):
+    """The same engine with and without NS in the backward, under a clip that fires every step."""
+    from megatron_muon.testing.training import full_parameters
+
+    runs = {}
+    with one_thread():
+        for name, ddp in (("overlap", OVERLAP), ("after", {**OVERLAP, "overlap_grad_reduce": True})):
+            model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=1e-3, ddp_overrides=ddp)
+            if name == "after":
+                owner_optimizers(optimizer)[0].overlap_newton_schulz = False
+            losses = [train_step(model, optimizer, step) for step in range(3)]
+            engines = owner_optimizers(optimizer)[0].engines
+            runs[name] = {"losses": losses, "params": full_parameters(model),
+                          "used": sum(e.speculation_used for e in engines),
+                          "discarded": sum(e.speculation_discarded for e in engines)}
+    return runs
+
+
+def test_a_clipped_step_recomputes_what_the_backward_speculated(rank_pool_2):
+    from megatron_muon.testing.training import max_relative_error
+
+    for result in rank_pool_2.run(_clipped_pair):
+        overlap, after = result["overlap"], result["after"]
+        assert overlap["used"] == 0 and overlap["discarded"] > 0
+        assert after["used"] == after["discarded"] == 0
+        assert overlap["losses"] == after["losses"]
+        assert max_relative_error(after["params"], overlap["params"])[1] == 0.0
+
+
+def _memory(rank, world_size, name, precision):
+    from megatron_muon.metrics.memory import measured_memory, predicted_memory
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.testing.training import build_training_setup
+
+    with one_thread():
+        if name == "adam":
+            init_model_parallel(tp=1)
+            model, optimizer = build_training_setup("adam", bf16=precision == "bf16", use_distributed_optimizer=True,
+                                                    clip_grad=0.0)
+        else:
+            model, optimizer = build(1, 1, name, precision, "gpt", clip_grad=0.0)
+        train_step(model, optimizer, 0)
+        from megatron.core import parallel_state as ps
+
+        measured = measured_memory([model], optimizer)
+        predicted = predicted_memory(model.full_param_layout, ps.get_data_parallel_rank(),
+                                     ps.get_data_parallel_world_size(), param_bytes=2 if precision == "bf16" else 4)
+        return {"measured": measured.as_dict(), "predicted": predicted.as_dict()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_muons_busiest_rank_holds_no_more_than_distributed_adamws(rank_pool_2, rank_pool_4, world, precision):
+    """Measured from the tensors after a step: Muon's state (masters and momentum on owners only) against megatron's
+    distributed AdamW (masters and two moments per shard); the layout-based prediction matches the tensors."""
+    pool = {2: rank_pool_2, 4: rank_pool_4}[world]
+    muon = pool.run(_memory, "dist_muon", precision)
+    adam = pool.run(_memory, "adam", precision)
+
+    def busiest(results):
+        return max(sum(r["measured"][k] for k in ("optimizer_state_bytes", "param_bytes", "grad_bytes"))
+                   for r in results)
+
+    assert busiest(muon) <= busiest(adam)
+    assert max(r["measured"]["optimizer_state_bytes"] for r in muon) < max(
+        r["measured"]["optimizer_state_bytes"] for r in adam)
+    for result in muon + adam:
+        for key in ("optimizer_state_bytes", "param_bytes", "grad_bytes"):
+            assert result["measured"][key] == result["predicted"][key], (key, result)
+
+
+def _nan_gradient(rank, world_size):
+    from megatron_muon.testing.models import forward_backward, synthetic_batch
+
+    with one_thread():
+        model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=1.0)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(model, [synthetic_batch(rank)])
+        named = dict(model.named_parameters())  # on every rank, so the owner's reduced copy holds it
+        named["module.decoder.layers.0.mlp.linear_fc2.weight"].main_grad[0, 0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            optimizer.step()
+        except ValueError as error:
+            return {"message": str(error), "unchanged": all(torch.equal(a, p) for a, p in zip(before, model.parameters()))}
+        return {"message": None}
+
+
+def test_a_nan_gradient_stops_the_step_on_every_rank_naming_the_parameter(rank_pool_2):
+    for result in rank_pool_2.run(_nan_gradient):
+        assert result["message"] and "non-finite" in result["message"], result
+        assert "linear_fc2" in result["message"] and result["unchanged"]
+
+
+def _bad_layout(rank, world_size, case):
+    from megatron_muon.testing import training
+
+    original = training.wrap_in_ddp
+
+    def wrap(model, config, **kwargs):
+        if case == "split":  # megatron's byte-level distributed-optimizer layout: matrices cross shard boundaries
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
+            from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+            from megatron.core.optimizer.param_layout import FullParamLayout
+
+            from megatron_muon.megatron.owner_layout import tag_params_for_owner_buffers
+
+            tag_params_for_owner_buffers([model])
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+            params = [p for p in model.parameters() if p.requires_grad]
+            layouts = {key: DistributedOptimizer._compute_per_buffer_param_layout(group, None, world_size, ddp_config,
+                                                                                   indices)
+                       for key, (group, indices) in group_params_for_buffers(params, True).items()}
+            for key, layout in layouts.items():  # shift the Muon matrices off the shard boundaries
+                if key.is_managed_by_layer_wise_optimizer:
+                    layout.param_index_map = {p: (a + 64, b + 64, k) for p, (a, b, k) in layout.param_index_map.items()}
+                    layout.bucket_indices = [(a, b + 256) for a, b in layout.bucket_indices]
+            return DistributedDataParallel(config, ddp_config, model, full_param_layout=FullParamLayout(layouts))
+        if case == "disagree" and rank == 1:  # one replica cuts its buffer into other buckets
+            kwargs.update(overlap_grad_reduce=True, bucket_size=6000)
+        return original(model, config, **kwargs)
+
+    training.wrap_in_ddp = wrap
+    try:
+        with one_thread():
+            build(1, 1, "dist_muon", "fp32", "gpt")
+    except ValueError as error:
+        return str(error)
+    finally:
+        training.wrap_in_ddp = original
+    return None
+
+
+@pytest.mark.parametrize("case,expected", [("split", "crosses a data-parallel shard boundary"),
+                                           ("disagree", "disagree on the Muon buffers' layout")])
+def test_layouts_the_engine_cannot_run_on_are_refused_with_the_fix(rank_pool_2, case, expected):
+    for message in rank_pool_2.run(_bad_layout, case):
+        assert message is not None and expected in message and "compute_full_param_layout" in message, message
