@@ -1,0 +1,221 @@
+"""One GPU stands in for one rank of a W-way data-parallel job: the training step of `muon` with the distributed
+optimizer (the owner engine) against megatron's distributed AdamW, each collective a local copy of its bytes.
+
+  python benchmarks/dist_sim_step.py --recipe hybrid-1.5b-h200 --world 4 8 --set training.torch_compile=false \\
+      --out benchmarks/results/dist_sim_step_hybrid.md
+  python benchmarks/dist_sim_step.py --recipe gpt-7b-h200 --world 4 8 --out benchmarks/results/dist_sim_step_gpt7b.md
+
+The process joins a W-rank group of torch's fake process-group backend (its collectives do nothing), so megatron
+builds DDP, the owner layout and both distributed optimizers for dp=W exactly as on W GPUs; this rank runs its own
+forward and backward, the Newton–Schulz of the matrices it owns and its AdamW shard. Each gradient reduce-scatter
+becomes a sum of the bucket's W shard-sized slices (it reads the bucket and writes a shard, as a ring reduce-scatter
+does per rank), each parameter all-gather a copy of the shard into all W slots. Network time is not modelled:
+what is measured is the computation one rank adds to the step, and how much of it the backward hides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_env import package_versions  # noqa: E402
+from e2e import _free_memory, _git_revision, train_steps  # noqa: E402
+
+VARIANTS = {
+    "adam": ("megatron DistributedOptimizer, AdamW (fused)", "adam", True),
+    "ours": ("muon + distributed optimizer: owner engine, Newton-Schulz in the backward", "muon", True),
+    "ours-after": ("owner engine, Newton-Schulz after the backward", "muon", False),
+}
+
+
+def local_collectives(world: int) -> None:
+    """megatron's bucket reduce-scatter and all-gather as local copies of the same bytes (fake group only)."""
+    from megatron.core.distributed import param_and_grad_buffer
+
+    def reduce_scatter(output, input, op=None, group=None, async_op=False):
+        torch.sum(input.view(world, -1), dim=0, out=output)
+
+    def all_gather(output, input, group=None, async_op=False):
+        output.view(world, -1).copy_(input.view(1, -1).expand(world, -1))
+
+    param_and_grad_buffer.dist_reduce_scatter_func = reduce_scatter
+    param_and_grad_buffer.dist_all_gather_func = all_gather
+
+
+def join_fake_group(world: int, rank: int) -> None:
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    torch.distributed.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    local_collectives(world)
+
+
+def build(recipe, owner_overlap: bool):
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_muon.megatron.fast_paths import install_fast_paths
+    from megatron_muon.training.loop import optimizer_config
+    from megatron_muon.training.model import build_model, transformer_config, uses_owner_engine, wrap_model
+
+    torch.manual_seed(recipe.training.seed)
+    model_parallel_cuda_manual_seed(recipe.training.seed)
+    config = transformer_config(recipe, on_gpu=torch.cuda.is_available())
+    module = build_model(recipe, config)
+    if recipe.training.torch_compile:
+        module.forward = torch.compile(module.forward, mode=recipe.training.compile_mode)
+    model = wrap_model(module, config, recipe)
+    optimizer = get_megatron_optimizer(optimizer_config(recipe), [model], use_gloo_process_groups=False)
+    install_fast_paths(optimizer, [model], main_grad_add=False, first_grad_overwrite=not uses_owner_engine(recipe))
+    for member in getattr(optimizer, "chained_optimizers", []):
+        if hasattr(member, "overlap_newton_schulz"):
+            member.overlap_newton_schulz = owner_overlap
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer
+
+
+def plan_summary(model, rank: int) -> dict | None:
+    layouts = getattr(getattr(model, "full_param_layout", None), "layouts", {})
+    plans = [layout.owner_plan for layout in layouts.values() if getattr(layout, "owner_plan", None)]
+    if not plans:
+        return None
+    finish = plans[0].finish_s
+    return {"method": plans[0].method, "rank_share": finish[rank] / max(finish.values()),
+            "busiest_predicted_ms": max(finish.values()) * 1e3, "padding": plans[0].padding()}
+
+
+def run(base, key: str, world: int, rank: int, args) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron_muon.metrics.memory import measured_memory
+    from megatron_muon.training.data import MicroBatches, build_train_dataset
+
+    label, name, overlap = VARIANTS[key]
+    micro = args.micro_batches
+    recipe = replace(base, optimizer=replace(base.optimizer, name=name),
+                     parallel=replace(base.parallel, data_parallel_size=world, overlap_grad_reduce=True,
+                                      use_distributed_optimizer=True),
+                     training=replace(base.training, micro_batch_size=1, global_batch_size=world * micro))
+    row = {"variant": key, "label": label, "world": world, "rank": rank, "micro_batches": micro}
+    join_fake_group(world, rank)
+    _free_memory()
+    model = optimizer = None
+    try:
+        model, optimizer = build(recipe, overlap)
+        batches = MicroBatches(build_train_dataset(recipe, args.data_dir), 1, world * micro,
+                               ps.get_data_parallel_rank(), world,
+                               torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        records = train_steps(model, optimizer, batches, recipe, args.steps)[args.warmup:]
+        engines = [e for m in getattr(optimizer, "chained_optimizers", []) for e in getattr(m, "engines", [])]
+        memory = measured_memory([model], optimizer)
+        row.update(step_ms=statistics.median(f + o for f, o, _, _ in records) * 1e3,
+                   fwd_bwd_ms=statistics.median(f for f, _, _, _ in records) * 1e3,
+                   optimizer_ms=statistics.median(o for _, o, _, _ in records) * 1e3,
+                   speculation_used=sum(e.speculation_used for e in engines),
+                   speculation_discarded=sum(e.speculation_discarded for e in engines),
+                   optimizer_state_gib=memory.optimizer_state_bytes / 2**30,
+                   peak_gib=None if memory.peak_bytes is None else memory.peak_bytes / 2**30,
+                   plan=plan_summary(model, rank))
+    except Exception as error:  # an OOM in one variant must not hide the others
+        row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
+        traceback.print_exc()
+    del model, optimizer
+    _free_memory()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def write_report(path: Path, rows: list[dict], meta: dict) -> None:
+    lines = [f"# One {meta['device']} as one rank of a W-way data-parallel step: {meta['recipe']}", "",
+             f"- date: {meta['date']}; code: {meta['revision']}; device: {meta['device']}; "
+             + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+             f"- command: `{meta['command']}`",
+             f"- {meta['micro_batches']} micro-batch(es) of one {meta['seq_length']}-token sequence per rank per step; "
+             f"{meta['steps']} steps, medians of the last {meta['steps'] - meta['warmup']}; gradient reduce "
+             "bucketed as in the backward (overlap_grad_reduce); collectives replaced by local copies of their "
+             "bytes (fake process group: no network time)", "",
+             "| W | variant | ms/step | × AdamW step | fwd+bwd ms | optimizer ms | NS buckets used / discarded | "
+             "rank's share of the busiest predicted NS | optimizer state GiB | peak GiB |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    adam = {row["world"]: row for row in rows if row["variant"] == "adam" and "step_ms" in row}
+    for row in rows:
+        if "step_ms" not in row:
+            lines.append(f"| {row['world']} | {row['variant']}: {row['label']} | {row.get('error')} |" + " |" * 7)
+            continue
+        base = adam.get(row["world"])
+        plan = row.get("plan")
+        cells = [str(row["world"]), f"{row['variant']}: {row['label']}", f"{row['step_ms']:.1f}",
+                 f"{row['step_ms'] / base['step_ms']:.3f}" if base else "-", f"{row['fwd_bwd_ms']:.1f}",
+                 f"{row['optimizer_ms']:.1f}", f"{row['speculation_used']} / {row['speculation_discarded']}",
+                 f"{plan['rank_share']:.2f} of {plan['busiest_predicted_ms']:.1f} ms" if plan else "-",
+                 f"{row['optimizer_state_gib']:.2f}", "-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="hybrid-1.5b-h200")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--world", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--rank", type=int, default=0, help="which rank of the W this GPU plays")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per step")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/dist_sim_step.md"))
+    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/megatron_muon_e2e_data"))
+    parser.add_argument("--revision", default=None)
+    parser.add_argument("--cpu", action="store_true", help="a smoke run in CPU mode (no timing meaning)")
+    args = parser.parse_args(argv)
+    keys = [k for k in args.variants.split(",") if k]
+    if any(k not in VARIANTS for k in keys) or not 0 < args.warmup < args.steps:
+        raise SystemExit(f"variants must be among {', '.join(VARIANTS)} and 0 < --warmup < --steps")
+    if args.cpu:
+        from megatron_muon._cpu import enable_cpu_mode
+
+        torch._dynamo.config.disable = True
+        enable_cpu_mode()
+    elif not torch.cuda.is_available():
+        raise SystemExit("dist_sim_step measures a GPU step; run it on a CUDA machine (or --cpu for a smoke run)")
+
+    from megatron_muon import register
+    from megatron_muon.training.recipes import load_recipe
+
+    recipe = load_recipe(args.recipe, args.set)
+    register()
+    meta = {"recipe": args.recipe, "overrides": args.set,
+            "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
+            "steps": args.steps, "warmup": args.warmup, "seq_length": recipe.model.seq_length,
+            "micro_batches": args.micro_batches, "revision": args.revision or _git_revision(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python " + " ".join(sys.argv), "versions": package_versions()}
+    rows = []
+    for world in args.world:
+        for key in keys:
+            rows.append(run(recipe, key, world, args.rank, args))
+            write_report(args.out, rows, meta)  # a run cut short keeps its numbers
+
+
+if __name__ == "__main__":
+    main()
