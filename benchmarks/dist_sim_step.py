@@ -97,9 +97,10 @@ def plan_summary(model, rank: int) -> dict | None:
     plans = [layout.owner_plan for layout in layouts.values() if getattr(layout, "owner_plan", None)]
     if not plans:
         return None
-    finish = plans[0].finish_s
-    return {"method": plans[0].method, "rank_share": finish[rank] / max(finish.values()),
-            "busiest_predicted_ms": max(finish.values()) * 1e3, "padding": plans[0].padding()}
+    work = plans[0].work_s
+    return {"method": plans[0].method, "rank_share": work[rank] / max(work.values()),
+            "busiest_predicted_ms": max(work.values()) * 1e3, "mean_predicted_ms": sum(work.values()) / len(work) * 1e3,
+            "padding": plans[0].padding()}
 
 
 def run(base, key: str, world: int, rank: int, args) -> dict:

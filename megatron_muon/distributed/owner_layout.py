@@ -47,6 +47,7 @@ class OwnerLayout:
     bucket_ranges: tuple[tuple[int, int], ...]
     finish_s: dict[int, float]  # predicted time each rank finishes its Newton–Schulz work (release times included)
     method: str
+    work_s: dict[int, float] | None = None  # each rank's predicted Newton–Schulz time, releases left out
 
     @property
     def makespan_s(self) -> float:
@@ -317,4 +318,5 @@ def plan_owner_layout(items: list[LayoutItem], dp: int, bucket_size: int | None,
             owners, chosen = solved, "milp"
     ranges, bucket_ranges = _place(items, buckets, owners, dp, shard_divisor)
     return OwnerLayout(tuple(map(tuple, buckets)), tuple(owners), tuple(ranges), tuple(bucket_ranges),
-                       finish_times(items, buckets, owners, dp, release), chosen)
+                       finish_times(items, buckets, owners, dp, release), chosen,
+                       finish_times(items, buckets, owners, dp, [0.0] * len(buckets)))

@@ -27,8 +27,10 @@ _settings: dict = {"method": "auto", "cost": None, "tokens_per_step": None}
 
 def set_owner_plan(method: str = "auto", cost: CostModel | None = None, tokens_per_step: int | None = None) -> None:
     """Owner planning for layouts computed after this call: `method` "auto", "milp" or "greedy"; `cost` a
-    `distributed.cost.CostModel` (default: Newton–Schulz FLOPs); `tokens_per_step` (per rank) lets the plan know how
-    long the backward runs after each bucket, so later buckets' work is counted as hidden behind it."""
+    `distributed.cost.CostModel` (default: Newton–Schulz FLOPs). `tokens_per_step` (per rank) tells the plan how long
+    the backward runs after each bucket and counts work released early as hidden behind it: right where the backward
+    leaves the GPU idle (a network-bound step), wrong where it keeps the GPU busy, which is why the default (None)
+    balances every rank's total work."""
     if method not in ("auto", "milp", "greedy"):
         raise ValueError(f"owner plan method must be 'auto', 'milp' or 'greedy', got {method!r}")
     if tokens_per_step is not None and tokens_per_step < 1:

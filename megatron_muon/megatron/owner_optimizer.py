@@ -9,7 +9,8 @@ AdamW takes every other parameter on megatron's DistributedOptimizer.
 With `overlap_grad_reduce`, each owner starts Newton–Schulz for a bucket as soon as that bucket's reduce-scatter has
 landed, on a side stream while the backward continues (a hook on the parameters' gradient accumulators, after DDP's
 own). That work assumes the step will not clip: `OwnerMuonChain.get_grad_norm` tells the engines whether the clip
-factor is 1, and a clipped step recomputes (`WaveMuon`).
+factor is 1, and a clipped step recomputes (`WaveMuon`). Clipping comes in runs (early training, loss spikes), so
+after a clipped step the next one waits for its clip factor instead of speculating.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         _check_layouts_agree(model_chunks or [], pg_collection)
         super().__init__(optimizers, config, pg_collection, init_state_fn_list, model_chunks)
         self.overlap_newton_schulz = overlap_newton_schulz
+        self._last_step_clipped = False  # clipping comes in runs: after a clipped step, wait for the step's factor
         self.engines = [child.optimizer for child in self.chained_optimizers if isinstance(child.optimizer, WaveMuon)]
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() and self._on_cuda() else None
         self._waves: list[tuple] = []  # per wave: (bucket group, [(engine, optimizer param, model param)])
@@ -112,7 +114,8 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     def _wave_hook(self, wave: int):
         def hook(*_):
             group, members = self._waves[wave]
-            if not self.overlap_newton_schulz or wave in self._started or group.grad_reduce_handle is None:
+            if not self.overlap_newton_schulz or self._last_step_clipped or wave in self._started \
+                    or group.grad_reduce_handle is None:
                 return
             self._started.add(wave)
             self.wave_log.append(("reduced", wave))
@@ -209,6 +212,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
                              f"{_first_non_finite(model_chunks)}; no optimizer state was changed. Lower the learning "
                              "rate or skip this batch (megatron's check_for_nan_in_grad stops at the source).")
         valid = clip <= 0.0 or clip / (norm + 1.0e-6) >= 1.0
+        self._last_step_clipped = not valid
         for engine in self.engines:
             engine.speculation_valid = valid
 

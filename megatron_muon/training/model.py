@@ -125,7 +125,7 @@ def uses_owner_engine(recipe: Recipe) -> bool:
 
 
 def _owner_layout(module, ddp_config, recipe: Recipe):
-    """The owner-planned DDP layout, with DDP's own bucket size rule; the plan knows the tokens per rank."""
+    """The owner-planned DDP layout, with DDP's own bucket size rule."""
     from megatron.core import parallel_state as ps
 
     from megatron_muon.megatron.owner_layout import compute_full_param_layout, tag_params_for_owner_buffers
@@ -135,10 +135,8 @@ def _owner_layout(module, ddp_config, recipe: Recipe):
     bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp)
     if not ddp_config.overlap_grad_reduce or ps.get_pipeline_model_parallel_rank() > 0:
         bucket_size = None  # as DDP does: one bucket when nothing overlaps the backward
-    tokens = recipe.training.micro_batch_size * recipe.model.seq_length * max(
-        1, recipe.training.global_batch_size // (recipe.training.micro_batch_size * dp))
     params = [p for p in module.parameters() if p.requires_grad]
-    return compute_full_param_layout(params, bucket_size, dp, ddp_config, tokens_per_step=tokens)
+    return compute_full_param_layout(params, bucket_size, dp, ddp_config)
 
 
 def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True):

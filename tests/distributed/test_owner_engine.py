@@ -33,20 +33,25 @@ def test_newton_schulz_starts_before_the_last_bucket_is_reduced(rank_pool_2):
 
 
 def _clipped_pair(rank, world_size):
-    """The same engine with and without NS in the backward, under a clip that fires every step."""
+    """The same engine with and without NS in the backward, under a clip that fires every step; `surprised`: every
+    step is the first clipped one after unclipped steps (the engine speculates), `settled`: the engine's own policy
+    (after a clipped step it waits for the clip factor)."""
     from megatron_muon.testing.training import full_parameters
 
     runs = {}
     with one_thread():
-        for name, ddp in (("overlap", OVERLAP), ("after", {**OVERLAP, "overlap_grad_reduce": True})):
-            model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=1e-3, ddp_overrides=ddp)
-            if name == "after":
-                owner_optimizers(optimizer)[0].overlap_newton_schulz = False
-            losses = [train_step(model, optimizer, step) for step in range(3)]
-            engines = owner_optimizers(optimizer)[0].engines
+        for name in ("surprised", "settled", "after"):
+            model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=1e-3, ddp_overrides=OVERLAP)
+            owner = owner_optimizers(optimizer)[0]
+            owner.overlap_newton_schulz = name != "after"
+            losses = []
+            for step in range(3):
+                if name == "surprised":
+                    owner._last_step_clipped = False
+                losses.append(train_step(model, optimizer, step))
             runs[name] = {"losses": losses, "params": full_parameters(model),
-                          "used": sum(e.speculation_used for e in engines),
-                          "discarded": sum(e.speculation_discarded for e in engines)}
+                          "used": sum(e.speculation_used for e in owner.engines),
+                          "discarded": sum(e.speculation_discarded for e in owner.engines)}
     return runs
 
 
@@ -54,11 +59,13 @@ def test_a_clipped_step_recomputes_what_the_backward_speculated(rank_pool_2):
     from megatron_muon.testing.training import max_relative_error
 
     for result in rank_pool_2.run(_clipped_pair):
-        overlap, after = result["overlap"], result["after"]
-        assert overlap["used"] == 0 and overlap["discarded"] > 0
+        surprised, settled, after = result["surprised"], result["settled"], result["after"]
+        assert surprised["used"] == 0 and surprised["discarded"] > 0
+        assert settled["used"] == settled["discarded"] == 0, "after a clipped step nothing is speculated"
         assert after["used"] == after["discarded"] == 0
-        assert overlap["losses"] == after["losses"]
-        assert max_relative_error(after["params"], overlap["params"])[1] == 0.0
+        for run in (surprised, settled):
+            assert run["losses"] == after["losses"]
+            assert max_relative_error(after["params"], run["params"])[1] == 0.0
 
 
 def _memory(rank, world_size, name, precision):
