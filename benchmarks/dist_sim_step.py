@@ -125,6 +125,15 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
                                ps.get_data_parallel_rank(), world,
                                torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         records = train_steps(model, optimizer, batches, recipe, args.steps)[args.warmup:]
+        if args.profile == f"{key}@{world}":  # two more steps: the kernels, categories and idle gaps
+            from types import SimpleNamespace
+
+            from e2e_report import write_profile
+
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            write_profile(args.out.with_name(f"{args.out.stem}_profile_{key}_w{world}.md"),
+                          SimpleNamespace(key=f"{key} at W={world}", label=label),
+                          lambda: train_steps(model, optimizer, batches, recipe, 2, args.steps))
         engines = [e for m in getattr(optimizer, "chained_optimizers", []) for e in getattr(m, "engines", [])]
         memory = measured_memory([model], optimizer)
         row.update(step_ms=statistics.median(f + o for f, o, _, _ in records) * 1e3,
@@ -188,6 +197,8 @@ def main(argv=None) -> None:
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/megatron_muon_e2e_data"))
     parser.add_argument("--revision", default=None)
     parser.add_argument("--cpu", action="store_true", help="a smoke run in CPU mode (no timing meaning)")
+    parser.add_argument("--profile", default=None, metavar="VARIANT@W",
+                        help="profile two more steps of this variant at this world size (kernel table next to --out)")
     args = parser.parse_args(argv)
     keys = [k for k in args.variants.split(",") if k]
     if any(k not in VARIANTS for k in keys) or not 0 < args.warmup < args.steps:
