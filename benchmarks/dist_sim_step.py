@@ -16,6 +16,7 @@ what is measured is the computation one rank adds to the step, and how much of i
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import sys
@@ -125,6 +126,9 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
                                ps.get_data_parallel_rank(), world,
                                torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         records = train_steps(model, optimizer, batches, recipe, args.steps)[args.warmup:]
+        if args.timeline == f"{key}@{world}":
+            row["timeline"] = stream_overlap(lambda: train_steps(model, optimizer, batches, recipe, 1, args.steps + 2))
+            print(json.dumps(row["timeline"]), flush=True)
         if args.profile == f"{key}@{world}":  # two more steps: the kernels, categories and idle gaps
             from types import SimpleNamespace
 
@@ -151,6 +155,46 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
     _free_memory()
     print(json.dumps(row), flush=True)
     return row
+
+
+def stream_overlap(run_step) -> dict:
+    """One profiled step: kernels on the owner engine's side stream (its speculative Newton–Schulz) against the
+    main stream's; how many side kernels start before the main stream's last backward kernel, and how much of
+    their time runs while a main-stream kernel runs too."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        run_step()
+        return {"side_kernels": None}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_step()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+               and "Memcpy" not in e.name and "Memset" not in e.name]
+    by_stream: dict = {}
+    for event in kernels:
+        by_stream.setdefault(getattr(event, "device_resource_id", 0), []).append(event)
+    main = max(by_stream, key=lambda s: len(by_stream[s]))
+    side = [e for s, events in by_stream.items() if s != main for e in events]
+    model = [e for e in by_stream[main] if any(k in e.name.lower() for k in ("chunk", "flash", "cudnn", "fmha", "conv"))]
+    last_backward = max((e.time_range.start for e in model), default=0)
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in by_stream[main])
+
+    starts = [a for a, _ in intervals]
+
+    def overlapped(event) -> float:
+        start, end = event.time_range.start, event.time_range.end
+        total, index = 0, max(0, bisect.bisect_left(starts, start) - 1)
+        while index < len(intervals) and intervals[index][0] < end:
+            a, b = intervals[index]
+            total += max(0, min(end, b) - max(start, a))
+            index += 1
+        return total
+
+    return {"main_kernels": len(by_stream[main]), "side_kernels": len(side),
+            "side_before_last_backward_kernel": sum(e.time_range.start < last_backward for e in side),
+            "side_kernel_ms": sum(e.time_range.end - e.time_range.start for e in side) / 1e3,
+            "side_ms_alongside_main": sum(overlapped(e) for e in side) / 1e3}
 
 
 def write_report(path: Path, rows: list[dict], meta: dict) -> None:
@@ -197,6 +241,8 @@ def main(argv=None) -> None:
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/megatron_muon_e2e_data"))
     parser.add_argument("--revision", default=None)
     parser.add_argument("--cpu", action="store_true", help="a smoke run in CPU mode (no timing meaning)")
+    parser.add_argument("--timeline", default=None, metavar="VARIANT@W",
+                        help="one more step of this variant profiled: side-stream Newton-Schulz against the backward")
     parser.add_argument("--profile", default=None, metavar="VARIANT@W",
                         help="profile two more steps of this variant at this world size (kernel table next to --out)")
     args = parser.parse_args(argv)
