@@ -5,7 +5,9 @@
 
 Registration puts our optimizers under megatron-core's names (`--optimizer muon` / `dist_muon` then run ours) and
 makes our specs importable for `--spec megatron_muon.specs <name>`; the script then runs as `__main__` via runpy,
-exactly as `python pretrain_gpt.py ...` would, so no Megatron-LM fork or patch is needed. Every optimizer the
+exactly as `python pretrain_gpt.py ...` would, so no Megatron-LM fork or patch is needed. For `--optimizer muon
+--use-distributed-optimizer`, the DDP layout Megatron-LM computes through megatron's layer-wise optimizer becomes the
+owner layout (`megatron/owner_layout.use_owner_layout_in_megatron`). Every optimizer the
 script builds through `get_megatron_optimizer` gets the plugin's GPU fast paths (`megatron/fast_paths.py`, which
 lists them) unless `--no-fast-paths` comes before the script.
 """
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     import megatron_muon
 
     megatron_muon.register()
+    from megatron_muon.megatron.owner_layout import use_owner_layout_in_megatron
+
+    use_owner_layout_in_megatron()  # `--optimizer muon --use-distributed-optimizer`: DDP in the owner layout
     if NO_FAST_PATHS_FLAG not in flags:
         from megatron_muon.megatron.fast_paths import install_after_every_optimizer_build
 

@@ -30,7 +30,7 @@ from megatron_muon.distributed.cost import (  # noqa: F401  (re-exported: the pl
 
 # The MILP stops at this many branch-and-bound nodes or at its time limit, whichever comes first. Near-optimal plans
 # are found at the root; the tree mostly tightens the bound. A time limit makes the answer depend on machine speed,
-# which is why OwnerMuon adopts the first slot's plan on every rank.
+# which is why the owner layout broadcasts the first rank's plan to every rank of its stage.
 MILP_NODE_LIMIT = 500
 # The greedy runs once per batch granularity (fractions of the lower bound; 0 = one matrix per batch) and keeps
 # the best: coarse batches save launches, fine ones balance better, and which wins depends on the shape mix.

@@ -30,6 +30,10 @@ def install_fast_paths(optimizer, model_chunks=(), *, fused_adam: bool = True, o
     """Install every enabled fast path on `optimizer` (and, for the gradient add and overwrite, on megatron's DDP
     `model_chunks`, after the optimizer's own gradient-sync changes); returns how many param groups, wrappers,
     parameters or model chunks each one took over."""
+    from megatron_muon.megatron.owner_optimizer import OwnerMuonOptimizer
+
+    if any(isinstance(member, OwnerMuonOptimizer) for member in getattr(optimizer, "chained_optimizers", [])):
+        first_grad_overwrite = False  # the owner engine leaves megatron's DDP (its zeroing and bucket syncs) as it is
     installed = {"fused_adam_groups": use_fused_torch_adam(optimizer) if fused_adam else 0}
     installed["one_pass_adamw"] = install_master_adamw(optimizer) if one_pass_adamw else 0
     installed["muon_clip_in_momentum"] = clip_deferral.install_for_muon(optimizer) if muon_clip_in_momentum else 0

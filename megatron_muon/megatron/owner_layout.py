@@ -160,3 +160,16 @@ def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp
             layouts[key] = DistributedOptimizer._compute_per_buffer_param_layout(
                 group, bucket_size, dp, ddp_config, param_indices)
     return FullParamLayout(layouts=layouts)
+
+
+def use_owner_layout_in_megatron() -> None:
+    """Make megatron's `LayerWiseDistributedOptimizer.compute_full_param_layout` (what Megatron-LM's training loop
+    calls to wrap DDP for `--optimizer muon --use-distributed-optimizer`) compute the owner layout (idempotent; the
+    one megatron name the launcher replaces for the owner engine)."""
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    if getattr(LayerWiseDistributedOptimizer.compute_full_param_layout, "_megatron_muon", False):
+        return
+    layout = staticmethod(compute_full_param_layout)
+    compute_full_param_layout._megatron_muon = True
+    LayerWiseDistributedOptimizer.compute_full_param_layout = layout

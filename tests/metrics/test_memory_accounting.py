@@ -71,3 +71,26 @@ def test_gpt7b_owner_engine_fits_wherever_distributed_adamw_fits(dp):
     assert _total(adam) == pytest.approx(adam_formula, rel=0.05)
     assert _total(muon) <= _total(adam)
     assert muon.optimizer_state_bytes < adam.optimizer_state_bytes
+
+
+def test_the_launcher_makes_megatrons_layer_wise_layout_the_owner_layout():
+    """Megatron-LM wraps DDP for `--optimizer muon --use-distributed-optimizer` through megatron's layer-wise
+    `compute_full_param_layout`; after `use_owner_layout_in_megatron` (what `megatron_muon.launch` calls) that is the
+    owner layout, with megatron's own tags deciding which buffer is Muon's."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    from megatron_muon.megatron.owner_layout import use_owner_layout_in_megatron
+
+    original = LayerWiseDistributedOptimizer.__dict__["compute_full_param_layout"]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    try:
+        use_owner_layout_in_megatron()
+        use_owner_layout_in_megatron()  # idempotent
+        full = LayerWiseDistributedOptimizer.compute_full_param_layout(gpt7b_parameters(tag=True), 40_000_000, 4,
+                                                                       ddp_config)
+    finally:
+        LayerWiseDistributedOptimizer.compute_full_param_layout = original
+    plans = {key.is_managed_by_layer_wise_optimizer: getattr(layout, "owner_plan", None)
+             for key, layout in full.layouts.items()}
+    assert plans[True] is not None and plans[True].method in ("milp", "greedy") and plans[False] is None
