@@ -5,7 +5,8 @@ of one DDP bucket once its reduce-scatter has landed). `speculate(wave, grad_of)
 momentum updates exactly as the coming `step()` would if nothing changes those gradients first, without touching
 any state. The caller then says whether that held (`speculation_valid`: no gradient clipping happened, in
 megatron's terms the clip factor was >= 1); `step()` uses the results only then, and otherwise computes every
-bucket afresh, so a discarded speculation costs time, never correctness.
+bucket afresh, so a discarded speculation costs time, never correctness. A step with nothing speculated to reuse
+batches each shape across all waves, as `Muon` does (fewer, larger Newton–Schulz calls).
 """
 
 from __future__ import annotations
@@ -31,10 +32,21 @@ class WaveMuon(Muon):
         self.speculated_buckets = 0  # counters the tests and benchmarks read
         self.speculation_used = 0
         self.speculation_discarded = 0
+        self._by_wave = False  # buckets split by wave while speculating; a step without speculation batches as Muon
+        self._plans: dict[tuple, _Plan] = {}
         super().__init__(params, *args, **kwargs)
 
     def _wave(self, param: torch.Tensor) -> int:
-        return self.wave_of.get(id(param), 0)
+        return self.wave_of.get(id(param), 0) if self._by_wave else 0
+
+    def _plan(self, params: list[torch.Tensor], group_of: list[int]) -> _Plan:
+        key = (tuple(zip(map(id, params), group_of)), self._by_wave)
+        if key not in self._plans:
+            if len(self._plans) >= 4:  # the parameter set changed (megatron swapped in masters): start over
+                self._plans.clear()
+            self._plans[key] = self._build_plan(params, group_of)
+        self._plan_cache = (key[0], self._plans[key])  # what Muon's own readers of the plan look at
+        return self._plans[key]
 
     def _all_params(self) -> tuple[list[torch.Tensor], list[int]]:
         params, group_of = [], []
@@ -50,6 +62,7 @@ class WaveMuon(Muon):
         params, group_of = self._all_params()
         if not params:
             return 0
+        self._by_wave = True
         plan = self._plan(params, group_of)
         prepared = 0
         for bucket_index, bucket in enumerate(plan.buckets):
@@ -104,12 +117,13 @@ class WaveMuon(Muon):
         prepared, self._prepared = self._prepared, {}
         if prepared and not valid:
             self.speculation_discarded += len(prepared)
-        if not (prepared and valid):
-            return super().step(closure)
         params, group_of = self._all_params()
-        if any(param.grad is None for param in params):  # the step's plan would not be the speculated one
-            self.speculation_discarded += len(prepared)
+        if not (prepared and valid) or any(param.grad is None for param in params):
+            if prepared and valid:  # some parameter has no gradient: the step's plan is not the speculated one
+                self.speculation_discarded += len(prepared)
+            self._by_wave = False  # nothing speculated to reuse: one batch per shape, as Muon
             return super().step(closure)
+        self._by_wave = True
         self._prepared = prepared
         plan = self._plan(params, group_of)
         self._for_step = self._usable(plan)

@@ -65,10 +65,10 @@ def build_training_setup(
     model = model_builder(config)
     if config.params_dtype == torch.float64:  # megatron's torch-norm fallback makes its weights in the default dtype
         model.double()
-        if not _on_gpu():
-            from megatron_muon._cpu import report_float64_as_float32
+    if not _on_gpu():  # fp64 runs shard with megatron's DistributedOptimizer; every other run sees fp64 as fp64
+        from megatron_muon._cpu import report_float64_as_float32
 
-            report_float64_as_float32()
+        report_float64_as_float32(config.params_dtype == torch.float64)
     if _on_gpu():  # as megatron's get_model does; weights were initialized on CPU, identically for every layout
         model.cuda(torch.cuda.current_device())
     if bf16:

@@ -43,6 +43,11 @@ def test_pretrain_30_steps_on_two_ranks(tmp_path, optimizer, layout, lr):
         matrix_optimizer = "megatron_muon.optimizer.wave_muon.WaveMuon"
     assert any(name.startswith(matrix_optimizer) for name in start["optimizer_classes"]), start["optimizer_classes"]
     assert [r["step"] for r in steps] == [10, 20, 30] and end["event"] == "end"
+    memory = [r["memory"] for r in records if r["event"] == "memory"]  # one record, after the first step
+    assert len(memory) == 1 and set(memory[0]) == {"optimizer_state_bytes", "param_bytes", "grad_bytes", "peak_bytes"}
+    assert all(len(values) == 2 for values in memory[0].values()) and memory[0]["peak_bytes"] == [None, None]
+    assert all(b > 0 for b in memory[0]["optimizer_state_bytes"] + memory[0]["grad_bytes"])
+    assert "memory, busiest rank" in result.stdout
     assert steps[-1]["loss"] < 0.7 * steps[0]["loss"], [r["loss"] for r in steps]
     for r in steps:
         # The logged MFU is FLOPs/token x tokens/s / (peak x GPUs), with the 1 TFLOP/s peak given above.
