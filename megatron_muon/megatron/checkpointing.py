@@ -162,9 +162,11 @@ def restore_adam_steps(optimizer, detached: dict | None = None) -> None:
 
 
 def load_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict | None = None,
-                    model_metadata: dict | None = None, optimizer_metadata: dict | None = None) -> dict:
+                    model_metadata: dict | None = None, optimizer_metadata: dict | None = None,
+                    optimizer_state_transform=None) -> dict:
     """Load a checkpoint written by `save_checkpoint` into `model` and `optimizer` (any tp/pp/dp layout the state
-    dicts can reshard to); returns the loaded state dict (for `extra` entries such as the iteration)."""
+    dicts can reshard to); returns the loaded state dict (for `extra` entries such as the iteration).
+    `optimizer_state_transform(state)` may edit the loaded optimizer state before the optimizer takes it."""
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
@@ -184,6 +186,8 @@ def load_checkpoint(model, optimizer, directory: str | os.PathLike, extra: dict 
         for index, chunk in enumerate(chunks):
             chunk.load_state_dict(state[f"model{index}"])
     if optimizer is not None:
+        if optimizer_state_transform is not None:
+            optimizer_state_transform(state["optimizer"])
         detached = detach_adam_steps(optimizer)
         with torch.no_grad():  # the distributed optimizer copies into views of the (leaf) fp32 parameters
             optimizer.load_state_dict(state["optimizer"])

@@ -180,3 +180,18 @@ def training_flops_per_token(shape: ModelShape) -> float:
 def all_attention_flops_per_token(shape: ModelShape) -> float:
     """Training FLOPs per token of the same model with every mixer softmax attention."""
     return training_flops_per_token(shape.all_attention())
+
+
+def parameter_count(shape: ModelShape) -> int:
+    """Weights of the model's matrices and embeddings (input embedding and output layer untied; norms, biases and
+    conv kernels left out): what sizes the optimizer state and gradient buffers."""
+    h = shape.hidden_size
+    q, kv = shape.num_attention_heads * shape.kv_channels, shape.num_query_groups * shape.kv_channels
+    attention = h * (q + 2 * kv) + q * h
+    key = shape.gdn_num_key_heads * shape.gdn_key_head_dim
+    value = shape.gdn_num_value_heads * shape.gdn_value_head_dim
+    gdn = h * (2 * key + 2 * value + 2 * shape.gdn_num_value_heads) + value * h
+    mlp = h * shape.ffn_hidden_size * (3 if shape.gated_mlp else 2)
+    n_attention, n_gdn = shape.layer_pattern.count(ATTENTION), shape.layer_pattern.count(GDN)
+    n_mlp = shape.layer_pattern.count(MLP) + (n_attention + n_gdn if shape.mlp_in_every_mixer_layer else 0)
+    return n_attention * attention + n_gdn * gdn + n_mlp * mlp + 2 * shape.vocab_size * h

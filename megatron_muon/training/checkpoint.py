@@ -13,19 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron_muon.megatron import checkpointing as dist_checkpoint
-
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-
-
-def iteration_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"iter_{step:07d}"
-
-
-def latest_iteration(root: str | Path) -> int | None:
-    tracker = Path(root) / TRACKER_FILE
-    if not tracker.is_file():
-        return None
-    return int(tracker.read_text().strip())
+from megatron_muon.training.resume import TRACKER_FILE, iteration_dir  # noqa: F401  (TRACKER_FILE: tests read it)
 
 
 def _layout() -> dict[str, int]:
@@ -97,19 +85,13 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, scheduler, us
     return target
 
 
-def load_checkpoint(root: str | Path, model, optimizer, scheduler, use_distributed_optimizer: bool) -> int:
-    """Load the latest checkpoint under root into model/optimizer/scheduler; returns the step it was taken at."""
+def load_checkpoint(root: str | Path, step: int, model, optimizer, scheduler, use_distributed_optimizer: bool,
+                    optimizer_state_transform=None) -> None:
+    """Load iteration `step` under root (chosen and checked by `resume.choose_iteration`) into model, optimizer and
+    scheduler."""
     from megatron.core import dist_checkpointing
 
-    step = latest_iteration(root)
-    if step is None:
-        raise ValueError(f"'{root}' has no {TRACKER_FILE}; point --load at a directory written by --save.")
     source = iteration_dir(root, step)
-    if not dist_checkpoint.is_complete_checkpoint(source):
-        raise ValueError(
-            f"{source} (named by {TRACKER_FILE}) is not a complete checkpoint; point --load at a directory "
-            "written by a finished --save."
-        )
     common = dist_checkpointing.load_common_state_dict(str(source))
     same_layout = common.get("layout") == _layout()
     if not same_layout:
@@ -121,8 +103,9 @@ def load_checkpoint(root: str | Path, model, optimizer, scheduler, use_distribut
         model, optimizer, source, extra=_training_state(scheduler, step, same_layout),
         model_metadata=dist_checkpoint.DEFAULT_MODEL_METADATA,
         optimizer_metadata=_optimizer_metadata(use_distributed_optimizer),
+        optimizer_state_transform=optimizer_state_transform,
     )
     scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
         _restore_rng(loaded["rng_state"])
-    return int(loaded["iteration"])
+    assert int(loaded["iteration"]) == step, f"{source} holds iteration {loaded['iteration']}"

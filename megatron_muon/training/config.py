@@ -66,7 +66,7 @@ class TrainingSection:
     precision: str = "fp32"  # "bf16", "fp16" or "fp32"
     torch_compile: bool = False
     compile_mode: str = "default"  # torch.compile's mode: "reduce-overhead" adds CUDA graphs
-    exit_signal_handler: bool = False  # on exit_signal: finish the step, save, end (one host read per step)
+    exit_signal_handler: bool | None = None  # on exit_signal: finish the step, save, end; None: on with a save dir
     exit_signal: str = "SIGTERM"  # or SIGUSR1 / SIGUSR2 / SIGINT, for jobs whose scheduler sends another signal
 
 
@@ -124,6 +124,8 @@ class CheckpointSection:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None  # None: save once at the end (when `save` is set)
+    load_iteration: int | None = None  # None: the iteration the tracker file names (the newest finished save)
+    override_lr_schedule: bool = False  # on resume: the recipe's LR schedule instead of the checkpoint's
 
 
 @dataclass
@@ -158,6 +160,16 @@ def valid_keys() -> list[str]:
     for section, factory in SECTIONS.items():
         keys += [f"{section}.{f.name}" for f in dataclasses.fields(factory)]
     return keys
+
+
+def recipe_keys() -> list[tuple[str, str, Any]]:
+    """(SECTION.KEY, type, default) for every recipe key (`megatron-muon keys`)."""
+    rows = []
+    for section, factory in SECTIONS.items():
+        instance = factory()
+        for f in dataclasses.fields(factory):
+            rows.append((f"{section}.{f.name}", str(f.type), getattr(instance, f.name)))
+    return rows
 
 
 def _unknown_key_error(key: str, where: str) -> RecipeError:

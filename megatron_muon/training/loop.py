@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,9 @@ def lr_scheduler(recipe: Recipe, optimizer):
         end_wd=opt.weight_decay,
         wd_incr_steps=iters,
         wd_incr_style="constant",
+        # a resumed run takes the checkpoint's schedule (and says so), or the recipe's with override_lr_schedule
+        use_checkpoint_opt_param_scheduler=not recipe.checkpoint.override_lr_schedule,
+        override_opt_param_scheduler=recipe.checkpoint.override_lr_schedule,
     )
 
 
@@ -231,12 +235,13 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
     model_parallel_cuda_manual_seed(recipe.training.seed)
     output_dir, train = Path(recipe.output_dir), recipe.training
 
+    resume_step, saved = _resume_plan(recipe)
     config = transformer_config(recipe, on_gpu=ctx.device.type == "cuda")
     module = build_model(recipe, config)
     if train.torch_compile:
         module.forward = torch.compile(module.forward, mode=train.compile_mode)
     model = wrap_model(module, config, recipe)
-    optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
+    optimizer = get_megatron_optimizer(optimizer_config(_with_checkpoint_lr(recipe, saved)), [model])
     fast_paths = install_fast_paths(  # wrap_model already hooked the gradient add
         optimizer, [model], one_pass_adamw=recipe.optimizer.one_pass_adamw,
         muon_clip_in_momentum=recipe.optimizer.muon_clip_in_momentum,
@@ -247,19 +252,28 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
 
-    start_step = 0
-    if recipe.checkpoint.load:
-        start_step = load_checkpoint(recipe.checkpoint.load, model, optimizer, scheduler, _sharded_optimizer(recipe))
+    start_step, notes = _resume(recipe, resume_step, saved, model, optimizer, scheduler)
+    if recipe.data.path:  # before megatron indexes an embedding row the vocabulary lacks
+        from megatron_muon.training.corpus import check_token_ids
+
+        eod = recipe.data.eod_id if recipe.data.eod_id is not None else recipe.model.vocab_size - 1
+        check_token_ids(recipe.data.path, recipe.model.vocab_size, eod)
     batches = MicroBatches(build_train_dataset(recipe, output_dir), train.micro_batch_size, train.global_batch_size,
                            ps.get_data_parallel_rank(), data_parallel_size(recipe, ctx.world_size), ctx.device)
     peak = recipe.metrics.peak_tflops or peak_tflops(ctx.device_name, recipe.metrics.peak_precision)
     mfu_of = MfuCalculator.for_model(model_shape(recipe), peak, num_gpus=ctx.world_size)
     tokens_per_step = train.global_batch_size * recipe.model.seq_length
 
-    log = JsonlLog(output_dir / LOG_FILE) if ctx.is_main else None
+    log = JsonlLog(output_dir / LOG_FILE, append=start_step > 0) if ctx.is_main else None
+    if not peak:
+        notes.append(f"MFU n/a: no peak FLOP/s is known for {ctx.device_name}; set metrics.peak_tflops to report it")
+    if ctx.is_main:
+        for note in notes:
+            print(note, flush=True)
     if log:
         log.write({
             "event": "start", "recipe": recipe.to_dict(), "world_size": ctx.world_size, "device": ctx.device_name,
+            "resumed_from": start_step or None, "notes": notes,
             "torch": torch.__version__, "start_step": start_step, "flops_per_token": mfu_of.flops_per_token,
             "all_sdpa_flops_per_token": mfu_of.all_attention_flops_per_token, "peak_tflops_per_gpu": peak,
             "tokens_per_step": tokens_per_step, "local_parameters_rank0": count_parameters(model),
@@ -270,11 +284,58 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
     return _Run(model, optimizer, scheduler, batches, mfu_of, tokens_per_step, start_step, output_dir, log)
 
 
+def _resume_plan(recipe: Recipe) -> tuple[int | None, dict | None]:
+    """The iteration to resume from (None: none, or nothing saved there yet) and its saved LR schedule."""
+    from megatron_muon.training.resume import choose_iteration, saved_schedule
+
+    if not recipe.checkpoint.load:
+        return None, None
+    step = choose_iteration(recipe.checkpoint.load, recipe.checkpoint.load_iteration)
+    return step, (saved_schedule(recipe.checkpoint.load, step) if step is not None else None)
+
+
+def _with_checkpoint_lr(recipe: Recipe, saved: dict | None) -> Recipe:
+    """The recipe whose lr builds the optimizer's param groups: the checkpoint's when it resumes with its schedule
+    (megatron matches saved param groups by their lr, and the schedule reads each group's own)."""
+    if not saved or recipe.checkpoint.override_lr_schedule or "max_lr" not in saved:
+        return recipe
+    return replace(recipe, optimizer=replace(recipe.optimizer, lr=saved["max_lr"], min_lr=saved["min_lr"]))
+
+
+def _resume(recipe: Recipe, step: int | None, saved: dict | None, model, optimizer, scheduler) -> tuple[int, list[str]]:
+    """(first step, console notes): load `step` (from `_resume_plan`), or say nothing was there yet (start from
+    scratch, as Megatron-LM does), and where the checkpoint's LR schedule differs from the recipe's."""
+    from megatron_muon.training.resume import remap_group_lrs, schedule_changes, schedule_of
+
+    root = recipe.checkpoint.load
+    if not root:
+        return 0, []
+    if step is None:
+        return 0, [f"no checkpoint in {root} yet: starting from scratch"]
+    recipe_schedule = {**schedule_of(scheduler), "max_lr": recipe.optimizer.lr, "min_lr": recipe.optimizer.min_lr}
+    changes = schedule_changes(recipe_schedule, saved)
+    override = recipe.checkpoint.override_lr_schedule
+
+    def transform(state):
+        if override and "max_lr" in saved:
+            remap_group_lrs(state, saved, recipe_schedule)
+
+    load_checkpoint(root, step, model, optimizer, scheduler, _sharded_optimizer(recipe), transform)
+    notes = [f"resumed from iteration {step} ({root})"]
+    if changes and override:
+        notes.append(f"LR schedule from the recipe, not the checkpoint (checkpoint.override_lr_schedule): "
+                     f"{'; '.join(changes)}")
+    elif changes:
+        notes.append(f"warning: the checkpoint's LR schedule replaces the recipe's ({'; '.join(changes)}); add "
+                     "--set checkpoint.override_lr_schedule=true to train with the recipe's")
+    return step, notes
+
+
 def _step_record(run: _Run, window: _Window, done: int, update_ok: bool, grad_norm) -> dict[str, Any]:
     """The log line for the window that ends at step `done`."""
     tokens_per_s = window.steps * run.tokens_per_step / window.seconds
     return {
-        "event": "step", "step": done, "loss": sum(window.losses) / len(window.losses),
+        "event": "step", "step": done, "loss": sum(window.losses) / len(window.losses), "loss_steps": len(window.losses),
         "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": None if grad_norm is None else float(grad_norm),
         "tokens_per_s": tokens_per_s, "step_time_s": window.seconds / window.steps,
         "optimizer_share": window.optimizer_seconds / window.seconds, "memory_gib": _memory_gib(),
@@ -318,7 +379,8 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
     window, first_loss, last_loss, run_start = _Window(), None, None, time.perf_counter()
     unread_losses: list[list[dict]] = []  # per step, read (one sync) when the window is logged or saved
     first_unread = start_step + 1  # 1-based number of the oldest step in unread_losses
-    stop = StopOnSignal(train.exit_signal_handler, ctx.device, train.exit_signal)
+    on_signal = train.exit_signal_handler if train.exit_signal_handler is not None else bool(recipe.checkpoint.save)
+    stop = StopOnSignal(on_signal, ctx.device, train.exit_signal)
     done, saved_at = start_step, None
     try:
         for step in range(start_step, train.train_iters):

@@ -4,8 +4,9 @@ Slurm sends SIGTERM before a job's time limit (with `#SBATCH --signal=TERM@<seco
 `scancel`, and torchrun passes it on to every rank (`training.exit_signal` picks SIGUSR1, SIGUSR2 or SIGINT for
 schedulers or wrappers that warn with another signal). Ranks receive it at different moments, so each step they agree
 through one all-reduce (the max of their flags): every rank stops after the same step and the collective checkpoint
-save lines up, as megatron's `--exit-signal-handler` does. Off by default (`training.exit_signal_handler`): reading the
-agreed flag is a host read each step, which keeps the CPU from queueing the next step while the GPU finishes this one.
+save lines up, as megatron's `--exit-signal-handler` does. On by default when the run saves (`checkpoint.save`;
+`training.exit_signal_handler: false` turns it off). The flags travel over a CPU (gloo) group, so agreeing does not
+wait for the GPU to finish the step.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class StopOnSignal:
                     "signals there); run pretrain from the main thread or set training.exit_signal_handler=false"
                 )
             self._previous = signal.signal(self.signum, self._record)
+        self._group = None
+        if enabled and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            gloo = torch.distributed.get_backend() == "gloo"
+            self._group = torch.distributed.group.WORLD if gloo else torch.distributed.new_group(backend="gloo")
 
     def _record(self, signum, frame) -> None:
         self.received = True
@@ -40,9 +45,10 @@ class StopOnSignal:
         """True on every rank once any rank received the signal. A collective when enabled: call it every step."""
         if not self.enabled:
             return False
-        flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if self._group is None:
+            return self.received
+        flag = torch.tensor([1.0 if self.received else 0.0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
 
     def close(self) -> None:

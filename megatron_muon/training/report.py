@@ -8,13 +8,14 @@ from typing import Any, Iterable
 
 
 class JsonlLog:
-    """A fresh JSONL file; the first record describes the run, then one per logged step, then an end record (or, if
-    the run fails, a failed record with the error and the losses of the steps not logged yet)."""
+    """The run's JSONL file: a start record describing the run, then one per logged step, then an end record (or,
+    if the run fails, a failed record with the error and the losses of the steps not logged yet). `append`: a
+    resumed run continues the file (a new start record, then its steps) instead of replacing it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, append: bool = False):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("w")
+        self._file = path.open("a" if append else "w")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
@@ -35,7 +36,9 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0, unit: str = "") -> 
 def format_step(record: dict[str, Any], train_iters: int) -> str:
     """One console line per logged step."""
     return (
-        f"step {record['step']:>6}/{train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+        f"step {record['step']:>6}/{train_iters} | loss {record['loss']:.4f}"
+        + (f" (mean of {record['loss_steps']} steps)" if record.get("loss_steps", 1) > 1 else "")
+        + f" | lr {record['lr']:.3e} | "
         f"grad norm {_fmt(record.get('grad_norm'), '.3f')} | {record['tokens_per_s']:,.0f} tok/s | "
         f"MFU {_fmt(record['mfu'], '.1f', 100, '%')} | "
         f"all-SDPA-eq MFU {_fmt(record['mfu_all_sdpa'], '.1f', 100, '%')} | "

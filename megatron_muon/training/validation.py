@@ -147,8 +147,10 @@ def _validate_training(recipe: Recipe) -> None:
     _one_of("training.exit_signal", train.exit_signal, EXIT_SIGNALS)
     _one_of("optimizer.lr_decay_style", opt.lr_decay_style, DECAY_STYLES)
     _require(opt.lr > 0 and 0 <= opt.min_lr <= opt.lr, "optimizer.lr must be > 0 and 0 <= optimizer.min_lr <= lr.")
-    _require(0 <= opt.lr_warmup_iters <= train.train_iters,
-             f"optimizer.lr_warmup_iters ({opt.lr_warmup_iters}) must be between 0 and training.train_iters.")
+    decay = opt.lr_decay_iters or train.train_iters
+    _require(0 <= opt.lr_warmup_iters < decay,
+             f"optimizer.lr_warmup_iters ({opt.lr_warmup_iters}) must be at least 0 and below the decay length "
+             f"({decay}: optimizer.lr_decay_iters, else training.train_iters); lower the warm-up or train longer.")
     _require(recipe.logging.log_interval > 0, "logging.log_interval must be positive.")
     _require(ckpt.save_interval is None or ckpt.save_interval > 0, "checkpoint.save_interval must be positive.")
     _require(recipe.metrics.peak_tflops is None or recipe.metrics.peak_tflops > 0,
@@ -164,9 +166,10 @@ def _validate_paths(recipe: Recipe) -> None:
                 _require(Path(prefix + suffix).is_file(),
                          f"data path '{prefix}' has no '{prefix}{suffix}'; pass the prefix of a Megatron indexed "
                          "dataset (the .bin/.idx pair) or drop --data-path to train on mock data.")
-    load = recipe.checkpoint.load
-    if load:
-        _require(Path(load).is_dir(), f"checkpoint directory '{load}' does not exist; check --load.")
+    load, save = recipe.checkpoint.load, recipe.checkpoint.save
+    if load and Path(load).resolve() != Path(save or "").resolve():  # `--save X --load X`: a first run starts fresh
+        _require(Path(load).is_dir(), f"checkpoint directory '{load}' does not exist; check --load (or pass the same "
+                 "directory to --save and --load to resume when it holds a checkpoint and start fresh when not).")
 
 
 def _is_number(text: str) -> bool:

@@ -3,13 +3,15 @@
 import os
 import signal
 
+import pytest
+
 from megatron_muon.training.checkpoint import TRACKER_FILE
 from megatron_muon.training.report import read_jsonl
 
 SIGNAL_AT_STEP = 6  # one micro-batch per step; log interval 4, so step 6 is in the middle of a window
 
 
-def _train(rank, world_size, run_dir, signalled_rank, train_iters, load):
+def _train(rank, world_size, run_dir, signalled_rank, train_iters, load, handler="training.exit_signal_handler=true"):
     from megatron_muon.training import loop
     from megatron_muon.training.distributed import current_context, init_parallel_state
     from megatron_muon.training.recipes import load_recipe
@@ -19,9 +21,8 @@ def _train(rank, world_size, run_dir, signalled_rank, train_iters, load):
         f"training.train_iters={train_iters}", "training.micro_batch_size=2",
         f"training.global_batch_size={2 * world_size}", "model.seq_length=32", "optimizer.lr_warmup_iters=1",
         "logging.log_interval=4", "logging.plot=false", "logging.progress_bar=false",
-        "training.exit_signal_handler=true", f"logging.output_dir={run_dir}/log{load}",
-        f"checkpoint.save={run_dir}/ckpt",
-    ]
+        f"logging.output_dir={run_dir}/log{load}", f"checkpoint.save={run_dir}/ckpt",
+    ] + ([handler] if handler else [])
     recipe = validate(load_recipe("tiny-cpu", overrides + ([f"checkpoint.load={run_dir}/ckpt"] if load else [])),
                       world_size)
     init_parallel_state(1, 1)
@@ -42,8 +43,10 @@ def _train(rank, world_size, run_dir, signalled_rank, train_iters, load):
     return summary, signal.getsignal(signal.SIGTERM) is before
 
 
-def test_sigterm_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint(rank_pool_2, tmp_path):
-    results = rank_pool_2.run(_train, str(tmp_path), 1, 10, False)
+@pytest.mark.parametrize("handler", ["training.exit_signal_handler=true", None], ids=["asked", "default-with-save"])
+def test_sigterm_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint(rank_pool_2, tmp_path, handler):
+    """Asked for, or by default when the run saves (`--save`)."""
+    results = rank_pool_2.run(_train, str(tmp_path), 1, 10, False, handler)
     for summary, handler_restored in results:
         assert summary["stopped_by_signal"] and summary["steps"] == SIGNAL_AT_STEP and handler_restored
     assert (tmp_path / "ckpt" / TRACKER_FILE).read_text().strip() == str(SIGNAL_AT_STEP)
