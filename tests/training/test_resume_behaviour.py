@@ -40,7 +40,8 @@ def test_first_run_with_the_same_save_and_load_starts_from_scratch_then_resumes(
     assert first[0]["notes"][0] == f"no checkpoint in {ckpt} yet: starting from scratch"
     assert first[0]["resumed_from"] is None and [r["step"] for r in first if r["event"] == "step"] == [2, 4]
     # the next submission resumes, appends to the same log, and takes a new lr without a traceback
-    rank_pool_1.run(_train, both + ["training.train_iters=6", "optimizer.lr=1.0e-3"])
+    rank_pool_1.run(_train, both + ["training.train_iters=6", "optimizer.lr=1.0e-3", "logging.plot=true"])
+    assert (log / "loss_mfu.png").stat().st_size > 10_000  # drawn from both runs' steps
     records = _records(log)
     assert [r["event"] for r in records].count("start") == 2, "the resumed run replaced the log"
     second = records[len(first):]
