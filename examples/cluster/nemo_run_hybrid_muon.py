@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 import nemo_run as run
@@ -77,6 +78,9 @@ def build(argv: list[str] | None = None):
     parser.add_argument("--ssh-user", default=None)
     parser.add_argument("--dryrun", action="store_true")
     args = parser.parse_args(argv)
+    if args.executor == "local" and shutil.which("torchrun") is None:  # NeMo-Run starts `torchrun` and `python` by name
+        parser.error("torchrun is not on PATH: activate the environment megatron-muon is installed in "
+                     f"(e.g. source {os.path.dirname(sys.executable)}/activate)")
     if args.executor == "local":
         output_dir = os.path.abspath(args.output_dir or f"runs/{args.recipe}-muon")
     elif args.output_dir and os.path.isabs(args.output_dir):

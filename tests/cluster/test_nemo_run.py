@@ -2,9 +2,11 @@
 and the Slurm executor's dry run writes the sbatch script a cluster would get."""
 
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,10 +16,12 @@ pytestmark = [pytest.mark.nemo_run, pytest.mark.filterwarnings("ignore::Deprecat
 EXAMPLE = EXAMPLES / "nemo_run_hybrid_muon.py"
 
 
-def _example(args: list[str], cwd, timeout: int) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=cwd, capture_output=True, text=True,
-                            timeout=timeout)
-    return result
+def _example(args: list[str], cwd, timeout: int, path: str | None = None) -> subprocess.CompletedProcess:
+    """The example under this interpreter, with its environment's bin first on PATH as an activated venv has it."""
+    env = dict(os.environ, PATH=path if path is not None
+               else f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def test_local_executor_trains_on_cpu_with_two_ranks(nemo_run_home, tmp_path):
@@ -73,6 +77,11 @@ def test_slurm_dry_run_writes_one_torchrun_per_node_that_saves_on_the_time_limit
     assert pretrain[pretrain.index("--save") + 1] == pretrain[pretrain.index("--load") + 1] == f"{out}/checkpoints"
     assert pretrain[-1] == "--set=optimizer.lr=2e-4"
     _check_pretrain_args(pretrain, world_size=32)
+
+
+def test_local_executor_without_torchrun_on_path_says_what_to_activate(nemo_run_home, tmp_path):
+    result = _example(["--executor", "local", "--recipe", "tiny-cpu"], tmp_path, 120, path="/nonexistent")
+    assert result.returncode == 2 and "torchrun is not on PATH: activate the environment" in result.stderr
 
 
 def test_slurm_executor_refuses_a_relative_run_directory(nemo_run_home, tmp_path):
