@@ -83,3 +83,14 @@ def gdn_chunk_inputs(batch: int, seq_len: int, heads: int, key_dim: int, value_d
     u, do, dv = (torch.randn(batch, seq_len, heads, value_dim, device="cuda").bfloat16() for _ in range(3))
     g = chunk_local_cumsum(-torch.rand(batch, seq_len, heads, device="cuda") * 0.1, chunk_size=64, scale=RCP_LN2)
     return q, k, w, u, do, dv, g
+
+
+def write_table_and_rows(path, lines: list[str], meta: dict, rows: list[dict]) -> None:
+    """The markdown table at `path` and, beside it (.json), the metadata and raw rows it was drawn from."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import package_versions  # noqa: E402
+from bench_env import package_versions, write_table_and_rows  # noqa: E402
 from e2e import _free_memory, _git_revision, train_steps  # noqa: E402
 
 VARIANTS = {
@@ -222,9 +222,7 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
                  f"{plan['rank_share']:.2f} of {plan['busiest_predicted_ms']:.1f} ms" if plan else "-",
                  f"{row['optimizer_state_gib']:.2f}", "-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_table_and_rows(path, lines, meta, rows)
 
 
 def main(argv=None) -> None:

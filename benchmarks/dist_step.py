@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import package_versions  # noqa: E402
+from bench_env import package_versions, write_table_and_rows  # noqa: E402
 from e2e import _free_memory, _git_revision, build_rung, compile_stats, train_steps  # noqa: E402
 from e2e_report import write_profile  # noqa: E402
 from e2e_rungs import Rung  # noqa: E402
@@ -244,9 +244,7 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
             f"{row['losses'][0]:.3f} → {row['losses'][-1]:.3f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_table_and_rows(path, lines, meta, rows)
 
 
 def main(argv=None) -> None:

@@ -11,6 +11,16 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cluster"
 
 
+def check_pretrain_args(args: list[str], world_size: int) -> None:
+    """The arguments after `pretrain` parse, and the recipe validates for the job's world size."""
+    from megatron_muon.cli.main import build_parser
+    from megatron_muon.training.recipes import load_recipe
+    from megatron_muon.training.validation import validate
+
+    parsed = build_parser().parse_args(["pretrain", *args])
+    validate(load_recipe(parsed.recipe, [item.removeprefix("--set=") for item in parsed.overrides]), world_size)
+
+
 def missing(what: str) -> None:
     """Skips (or under CI fails) the test, naming what is missing and how to get it."""
     if os.environ.get("MEGATRON_MUON_CLUSTER_CI") == "1":

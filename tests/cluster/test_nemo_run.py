@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import EXAMPLES
+from .conftest import EXAMPLES, check_pretrain_args
 
 pytestmark = [pytest.mark.nemo_run, pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # leptonai v0
 EXAMPLE = EXAMPLES / "nemo_run_hybrid_muon.py"
@@ -76,7 +76,7 @@ def test_slurm_dry_run_writes_one_torchrun_per_node_that_saves_on_the_time_limit
     pretrain = torchrun[module + 3:]
     assert pretrain[pretrain.index("--save") + 1] == pretrain[pretrain.index("--load") + 1] == f"{out}/checkpoints"
     assert pretrain[-1] == "--set=optimizer.lr=2e-4"
-    _check_pretrain_args(pretrain, world_size=32)
+    check_pretrain_args(pretrain, world_size=32)
 
 
 def test_local_executor_without_torchrun_on_path_says_what_to_activate(nemo_run_home, tmp_path):
@@ -87,13 +87,3 @@ def test_local_executor_without_torchrun_on_path_says_what_to_activate(nemo_run_
 def test_slurm_executor_refuses_a_relative_run_directory(nemo_run_home, tmp_path):
     result = _example(["--executor", "slurm", "--account", "acc", "--output-dir", "runs/x", "--dryrun"], tmp_path, 120)
     assert result.returncode == 2 and "absolute path on the cluster's shared storage" in result.stderr
-
-
-def _check_pretrain_args(args: list[str], world_size: int) -> None:
-    """The arguments after `pretrain` parse, and the recipe validates for the job's world size."""
-    from megatron_muon.cli.main import build_parser
-    from megatron_muon.training.recipes import load_recipe
-    from megatron_muon.training.validation import validate
-
-    parsed = build_parser().parse_args(["pretrain", *args])
-    validate(load_recipe(parsed.recipe, [item.removeprefix("--set=") for item in parsed.overrides]), world_size)

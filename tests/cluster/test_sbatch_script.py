@@ -6,25 +6,16 @@ import stat
 import subprocess
 from pathlib import Path
 
-from megatron_muon.cli.main import build_parser, intended_world_size
+from megatron_muon.cli.main import intended_world_size
 from megatron_muon.training.recipes import load_recipe
-from megatron_muon.training.validation import validate
 
-CLUSTER = Path(__file__).resolve().parents[2] / "examples" / "cluster"
+from .conftest import EXAMPLES, check_pretrain_args
 
 
 def _stub(bin_dir: Path, name: str, body: str) -> None:
     path = bin_dir / name
     path.write_text("#!/bin/bash\n" + body)
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
-
-
-def _check_pretrain_args(args: list[str], world_size: int) -> None:
-    """The arguments after `-m megatron_muon.cli` parse, and the recipe validates for the job's world size."""
-    parsed = build_parser().parse_args(args)
-    assert parsed.command == "pretrain"
-    overrides = [item.removeprefix("--set=") for item in parsed.overrides]
-    validate(load_recipe(parsed.recipe, overrides), world_size)
 
 
 def test_slurm_script_runs_one_torchrun_per_node(tmp_path):
@@ -35,7 +26,7 @@ def test_slurm_script_runs_one_torchrun_per_node(tmp_path):
     _stub(bin_dir, "scontrol", 'printf "gpu-node-01\\ngpu-node-02\\ngpu-node-03\\ngpu-node-04\\n"\n')
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu-node-[01-04]",
                SLURM_NNODES="4", SLURM_JOB_ID="4242", SLURM_JOB_NAME="hybrid-1.5b-muon")
-    script = CLUSTER / "slurm_hybrid_muon.sbatch"
+    script = EXAMPLES / "slurm_hybrid_muon.sbatch"
     result = subprocess.run(["bash", str(script), "--set", "optimizer.lr=2e-4"], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -48,7 +39,7 @@ def test_slurm_script_runs_one_torchrun_per_node(tmp_path):
         "--rdzv-endpoint", "gpu-node-01:29500",
     ]
     assert argv[module:module + 3] == ["-m", "megatron_muon.cli", "pretrain"]
-    pretrain_args = argv[module + 2:]
+    pretrain_args = argv[module + 3:]
     assert pretrain_args[-2:] == ["--set", "optimizer.lr=2e-4"]
     checkpoints = "runs/hybrid-1.5b-muon/checkpoints"  # the job name's, not the job id's: a resubmission resumes
     assert pretrain_args[pretrain_args.index("--save") + 1] == pretrain_args[pretrain_args.index("--load") + 1] \
@@ -57,4 +48,4 @@ def test_slurm_script_runs_one_torchrun_per_node(tmp_path):
               if line.startswith("#SBATCH") and "=" in line}
     nodes, gpus = int(header["#SBATCH --nodes"]), int(header["#SBATCH --gpus-per-node"])
     assert nodes * gpus == intended_world_size(load_recipe("hybrid-1.5b-multinode")) == 32
-    _check_pretrain_args(pretrain_args, world_size=nodes * gpus)
+    check_pretrain_args(pretrain_args, world_size=nodes * gpus)
