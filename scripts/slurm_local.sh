@@ -77,7 +77,7 @@ stop() {
   pkill -x slurmctld 2>/dev/null || true
   pkill -x munged 2>/dev/null || true
   for _ in $(seq 20); do  # they finish shutting down after the signal; the next start must not find them
-    pgrep -x 'slurmd|slurmctld|munged' >/dev/null || return 0
+    pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null || pgrep -x munged >/dev/null || return 0
     sleep 0.5
   done
   echo "slurm_local: slurmd/slurmctld/munged still running 10 s after stop" >&2
