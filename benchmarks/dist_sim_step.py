@@ -36,6 +36,7 @@ from e2e import _free_memory, _git_revision, train_steps  # noqa: E402
 VARIANTS = {
     "adam": ("megatron DistributedOptimizer, AdamW (fused)", "adam", True),
     "ours": ("muon + distributed optimizer: owner engine, Newton-Schulz in the backward", "muon", True),
+    "ours-graphs": ("owner engine, Newton-Schulz in the backward replayed from CUDA graphs", "muon", "graphs"),
     "ours-after": ("owner engine, Newton-Schulz after the backward", "muon", False),
 }
 
@@ -87,7 +88,8 @@ def build(recipe, owner_overlap: bool):
     install_fast_paths(optimizer, [model], main_grad_add=False, first_grad_overwrite=not uses_owner_engine(recipe))
     for member in getattr(optimizer, "chained_optimizers", []):
         if hasattr(member, "overlap_newton_schulz"):
-            member.overlap_newton_schulz = owner_overlap
+            member.overlap_newton_schulz = bool(owner_overlap)
+            member.graph_newton_schulz = owner_overlap == "graphs"
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer
@@ -139,12 +141,17 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
                           SimpleNamespace(key=f"{key} at W={world}", label=label),
                           lambda: train_steps(model, optimizer, batches, recipe, 2, args.steps))
         engines = [e for m in getattr(optimizer, "chained_optimizers", []) for e in getattr(m, "engines", [])]
+        if args.digest:
+            row["param_digest"] = param_digest(model)
         memory = measured_memory([model], optimizer)
         row.update(step_ms=statistics.median(f + o for f, o, _, _ in records) * 1e3,
                    fwd_bwd_ms=statistics.median(f for f, _, _, _ in records) * 1e3,
                    optimizer_ms=statistics.median(o for _, o, _, _ in records) * 1e3,
                    speculation_used=sum(e.speculation_used for e in engines),
                    speculation_discarded=sum(e.speculation_discarded for e in engines),
+                   graphs={"captures": sum(e.graphs.captures for e in engines),
+                           "replays": sum(e.graphs.replays for e in engines),
+                           "disabled": next((e.graphs.disabled for e in engines if e.graphs.disabled), None)},
                    optimizer_state_gib=memory.optimizer_state_bytes / 2**30,
                    peak_gib=None if memory.peak_bytes is None else memory.peak_bytes / 2**30,
                    plan=plan_summary(model, rank))
@@ -155,6 +162,17 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
     _free_memory()
     print(json.dumps(row), flush=True)
     return row
+
+
+def param_digest(model) -> str:
+    """SHA-256 of every parameter's bytes after the steps: variants that must agree bit for bit compare these."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(param.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def stream_overlap(run_step) -> dict:
@@ -207,18 +225,21 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
              "bucketed as in the backward (overlap_grad_reduce); collectives replaced by local copies of their "
              "bytes (fake process group: no network time)", "",
              "| W | variant | ms/step | × AdamW step | fwd+bwd ms | optimizer ms | NS buckets used / discarded | "
-             "rank's share of the busiest predicted NS | optimizer state GiB | peak GiB |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "NS graphs captured / replayed | rank's share of the busiest predicted NS | optimizer state GiB | peak GiB |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     adam = {row["world"]: row for row in rows if row["variant"] == "adam" and "step_ms" in row}
     for row in rows:
         if "step_ms" not in row:
-            lines.append(f"| {row['world']} | {row['variant']}: {row['label']} | {row.get('error')} |" + " |" * 7)
+            lines.append(f"| {row['world']} | {row['variant']}: {row['label']} | {row.get('error')} |" + " |" * 8)
             continue
         base = adam.get(row["world"])
         plan = row.get("plan")
         cells = [str(row["world"]), f"{row['variant']}: {row['label']}", f"{row['step_ms']:.1f}",
                  f"{row['step_ms'] / base['step_ms']:.3f}" if base else "-", f"{row['fwd_bwd_ms']:.1f}",
                  f"{row['optimizer_ms']:.1f}", f"{row['speculation_used']} / {row['speculation_discarded']}",
+                 "-" if not row["graphs"]["captures"] and not row["graphs"]["disabled"] else
+                 f"{row['graphs']['captures']} / {row['graphs']['replays']}"
+                 + (f" (off: {row['graphs']['disabled']})" if row["graphs"]["disabled"] else ""),
                  f"{plan['rank_share']:.2f} of {plan['busiest_predicted_ms']:.1f} ms" if plan else "-",
                  f"{row['optimizer_state_gib']:.2f}", "-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -238,6 +259,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/dist_sim_step.md"))
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/megatron_muon_e2e_data"))
     parser.add_argument("--revision", default=None)
+    parser.add_argument("--digest", action="store_true", help="record a hash of the parameters after the steps")
     parser.add_argument("--cpu", action="store_true", help="a smoke run in CPU mode (no timing meaning)")
     parser.add_argument("--timeline", default=None, metavar="VARIANT@W",
                         help="one more step of this variant profiled: side-stream Newton-Schulz against the backward")
@@ -271,6 +293,7 @@ def main(argv=None) -> None:
         for key in keys:
             rows.append(run(recipe, key, world, args.rank, args))
             write_report(args.out, rows, meta)  # a run cut short keeps its numbers
+    return rows
 
 
 if __name__ == "__main__":

@@ -55,10 +55,12 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
 
     Args beyond megatron's: `overlap_newton_schulz` (default True) starts each bucket's Newton–Schulz once its
     gradients have been reduced; it takes effect where DDP reduces buckets during the backward
-    (`overlap_grad_reduce`)."""
+    (`overlap_grad_reduce`). `graph_newton_schulz` replays each bucket's Newton–Schulz from a CUDA graph once its
+    inputs have repeated (`SpeculationGraphs`), so the backward's CPU thread launches one graph instead of the
+    bucket's kernels."""
 
     def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None,
-                 overlap_newton_schulz: bool = True):
+                 overlap_newton_schulz: bool = True, graph_newton_schulz: bool = False):
         if not config.bf16:  # megatron's layer-wise optimizer wraps bf16 only; fp32/fp64 get megatron's FP32 wrapper
             fns = init_state_fn_list or [None] * len(optimizers)
             optimizers = [FP32Optimizer(o, config, fn or (lambda *_: None)) for o, fn in zip(optimizers, fns)]
@@ -66,6 +68,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         _check_layouts_agree(model_chunks or [], pg_collection)
         super().__init__(optimizers, config, pg_collection, init_state_fn_list, model_chunks)
         self.overlap_newton_schulz = overlap_newton_schulz
+        self.graph_newton_schulz = graph_newton_schulz
         self._last_step_clipped = False  # clipping comes in runs: after a clipped step, wait for the step's factor
         self.engines = [child.optimizer for child in self.chained_optimizers if isinstance(child.optimizer, WaveMuon)]
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() and self._on_cuda() else None
@@ -134,7 +137,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
             with torch.cuda.stream(self._stream):
                 handle.wait()
                 for engine in engines:
-                    engine.speculate(wave, lambda p: grads[id(p)])
+                    engine.speculate(wave, lambda p: grads[id(p)], graphed=self.graph_newton_schulz)
         self.wave_log.append(("speculated", wave))
 
     @torch.no_grad()

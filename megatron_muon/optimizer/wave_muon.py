@@ -18,8 +18,11 @@ from torch.profiler import record_function
 
 from megatron_muon.kernels.newton_schulz import work_dtype
 from megatron_muon.optimizer import muon_math
-from megatron_muon.optimizer.muon import Muon, _Bucket, _Plan
+from megatron_muon.optimizer.muon import _NS_KEYS, Muon, _Bucket, _freeze, _Plan
 from megatron_muon.optimizer.routing import piece_views
+from megatron_muon.optimizer.speculation_graphs import SpeculationGraphs
+
+_SPECULATION_KEYS = (*_NS_KEYS, "momentum", "nesterov", "weight_decay_mode")  # the settings a speculation reads
 
 
 class WaveMuon(Muon):
@@ -34,6 +37,7 @@ class WaveMuon(Muon):
         self.speculation_discarded = 0
         self._by_wave = False  # buckets split by wave while speculating; a step without speculation batches as Muon
         self._plans: dict[tuple, _Plan] = {}
+        self.graphs = SpeculationGraphs()
         super().__init__(params, *args, **kwargs)
 
     def _wave(self, param: torch.Tensor) -> int:
@@ -56,27 +60,55 @@ class WaveMuon(Muon):
         return params, group_of
 
     @torch.no_grad()
-    def speculate(self, wave: int, grad_of: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    def speculate(self, wave: int, grad_of: Callable[[torch.Tensor], torch.Tensor], graphed: bool = False) -> int:
         """Orthogonalize the momentum updates of `wave` from the gradients `grad_of(param)`; returns the number of
-        buckets prepared. Reads the momentum buffers and parameters, writes nothing."""
+        buckets prepared. Reads the momentum buffers and parameters, writes nothing. `graphed` replays the wave from
+        a CUDA graph when its inputs are the tensors of an earlier call (`SpeculationGraphs`); same results."""
         params, group_of = self._all_params()
         if not params:
             return 0
         self._by_wave = True
         plan = self._plan(params, group_of)
-        prepared = 0
-        for bucket_index, bucket in enumerate(plan.buckets):
-            if bucket.wave != wave:
-                continue
-            grads = {index: grad_of(params[index]) for index, _ in bucket.items}
-            with record_function(f"muon.speculate {bucket.shape}"):
-                stacked = self._speculative_stack(bucket, plan, grads)
-                ortho, full_shape = self._orthogonalize_bucket(bucket, stacked, narrow_result=self._narrow(bucket, plan))
-            pointers = tuple(sorted((index, grad.data_ptr()) for index, grad in grads.items()))
-            self._prepared[bucket_index] = (ortho, full_shape, pointers)
-            prepared += 1
-        self.speculated_buckets += prepared
-        return prepared
+        buckets = [(index, bucket) for index, bucket in enumerate(plan.buckets) if bucket.wave == wave]
+        grads = {index: grad_of(params[index]) for _, bucket in buckets for index, _ in bucket.items}
+
+        def eager():
+            before = self.orthogonalized_matrices
+            prepared = {}
+            for bucket_index, bucket in buckets:
+                with record_function(f"muon.speculate {bucket.shape}"):
+                    stacked = self._speculative_stack(bucket, plan, grads)
+                    ortho, full_shape = self._orthogonalize_bucket(bucket, stacked,
+                                                                   narrow_result=self._narrow(bucket, plan))
+                pointers = tuple(sorted((index, grads[index].data_ptr()) for index, _ in bucket.items))
+                prepared[bucket_index] = (ortho, full_shape, pointers)
+            matrices, self.orthogonalized_matrices = self.orthogonalized_matrices - before, before
+            return prepared, matrices  # counted once per call below, replayed or not
+
+        if graphed and buckets and self._graphable(plan, buckets, grads):
+            prepared, matrices = self.graphs.run(wave, self._graph_key(plan, buckets, grads), eager)
+        else:
+            prepared, matrices = eager()
+        self.orthogonalized_matrices += matrices
+        self._prepared.update(prepared)
+        self.speculated_buckets += len(prepared)
+        return len(prepared)
+
+    def _graphable(self, plan: _Plan, buckets, grads) -> bool:
+        """CUDA tensors only, and no tensor-parallel bucket (their all-to-alls run on the TP group's own terms)."""
+        return all(bucket.tp_group is None for _, bucket in buckets) and all(g.is_cuda for g in grads.values())
+
+    def _graph_key(self, plan: _Plan, buckets, grads) -> tuple:
+        """What a captured wave depends on: the tensors it reads (by address) and every setting it bakes in."""
+        groups = sorted({plan.group_of[index] for _, bucket in buckets for index, _ in bucket.items})
+        settings = tuple((g, *(_freeze(self.param_groups[g][k]) for k in _SPECULATION_KEYS),
+                          self.param_groups[g]["weight_decay"] if self.param_groups[g]["weight_decay_mode"] == "l2"
+                          else None) for g in groups)  # not lr: the schedule changes it every step
+        tensors = tuple((index, grads[index].data_ptr(), plan.params[index].data_ptr(),
+                         self._momentum_buffer(plan.params[index]).data_ptr())
+                        for _, bucket in buckets for index, _ in bucket.items)
+        shape = tuple((bucket_index, bucket.shape, tuple(bucket.items)) for bucket_index, bucket in buckets)
+        return shape, tensors, settings, self.compute_dtype
 
     def _speculative_stack(self, bucket: _Bucket, plan: _Plan, grads: dict[int, torch.Tensor]) -> torch.Tensor:
         """`_stack_updates` with the momentum EMA into temporaries: the same rounding as the step's eager EMA
