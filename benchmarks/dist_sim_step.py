@@ -147,6 +147,7 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
         row.update(step_ms=statistics.median(f + o for f, o, _, _ in records) * 1e3,
                    fwd_bwd_ms=statistics.median(f for f, _, _, _ in records) * 1e3,
                    optimizer_ms=statistics.median(o for _, o, _, _ in records) * 1e3,
+                   speculated=sum(e.speculated_buckets for e in engines),
                    speculation_used=sum(e.speculation_used for e in engines),
                    speculation_discarded=sum(e.speculation_discarded for e in engines),
                    graphs={"captures": sum(e.graphs.captures for e in engines),

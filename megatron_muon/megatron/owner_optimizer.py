@@ -142,10 +142,21 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        if self._stream is not None:
-            torch.cuda.current_stream().wait_stream(self._stream)
+        """The step's stream does not wait for the side stream here: the gradient norm only reads the gradients, so
+        the host can read it while the last waves' Newton–Schulz still runs, and queue the step behind it
+        (`join_newton_schulz`, before anything writes a gradient, a buffer or a parameter)."""
         self._started.clear()
         return super().prepare_grads()
+
+    def join_newton_schulz(self) -> None:
+        """Order everything after this on the step's stream behind the speculative Newton–Schulz."""
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.join_newton_schulz()  # also when no chain showed this optimizer the gradient norm
+        return super().step_with_ready_grads()
 
     # ---- checkpoints: model-space tensors written by their owners, so they reshard to any tp/pp/dp layout ----
 
@@ -214,6 +225,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
             raise ValueError(f"non-finite gradient norm ({norm}): a NaN or Inf gradient reached the optimizer, first in "
                              f"{_first_non_finite(model_chunks)}; no optimizer state was changed. Lower the learning "
                              "rate or skip this batch (megatron's check_for_nan_in_grad stops at the source).")
+        self.join_newton_schulz()  # megatron clips (writes the gradients) next
         valid = clip <= 0.0 or clip / (norm + 1.0e-6) >= 1.0
         self._last_step_clipped = not valid
         for engine in self.engines:

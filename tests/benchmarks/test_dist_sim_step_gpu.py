@@ -19,9 +19,10 @@ def test_graph_replayed_newton_schulz_trains_like_eager_speculation(tmp_path):
     from dist_sim_step import main
 
     out = tmp_path / "dist_sim_step.md"
-    main(["--recipe", "tiny-cpu", "--world", "2", "--variants", "ours,ours-graphs", "--steps", "6",
-          "--warmup", "1", "--digest", "--set", "optimizer.clip_grad=0.0", "--set", "training.torch_compile=false",
-          "--out", str(out)])
+    small = ["model.num_layers=4", "model.seq_length=2048", "model.vocab_size=4096", "optimizer.clip_grad=0.0",
+             "training.torch_compile=false"]  # the reference shapes (our GDN kernels), four layers
+    main(["--recipe", "hybrid-1.5b-h200", "--world", "2", "--variants", "ours,ours-graphs", "--steps", "6",
+          "--warmup", "1", "--digest", *[arg for item in small for arg in ("--set", item)], "--out", str(out)])
     rows = {row["variant"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert all("error" not in row for row in rows.values()), rows
     assert rows["ours-graphs"]["graphs"]["disabled"] is None
