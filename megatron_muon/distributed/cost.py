@@ -24,7 +24,7 @@ class CostModel(Protocol):
     def matrix_cost(self, shape: Shape) -> float: ...
 
 
-def newton_schulz_flops(shape: Shape, steps: int = 5, method: str = "auto", coefficients="quintic") -> float:
+def newton_schulz_flops(shape: Shape, steps: int = 5, method: str = "auto", coefficients="simple") -> float:
     """FLOPs the orthogonalize engine spends on one matrix (megatron_muon.kernels.flops: the same method rule and
     the coefficient schedule's restarts)."""
     from megatron_muon.kernels.flops import flops
@@ -40,7 +40,7 @@ class AnalyticCost:
     launch_s: float = 50e-6
     steps: int = 5
     method: str = "auto"
-    coefficients: str | tuple = "quintic"  # a name or a tuple of (a, b, c): it sets the Gram restarts
+    coefficients: str | tuple = "simple"  # a name or a tuple of (a, b, c): it sets the Gram restarts
     flops_fn: Callable[..., float] = newton_schulz_flops
 
     def launch_cost(self, shape: Shape) -> float:

@@ -51,7 +51,7 @@ def profile_cost_table(
         raise ValueError("batches needs two or more distinct sizes >= 1 to fit launch + per-matrix cost, "
                          f"got {batches}")
     device = torch.device(device) if device is not None else torch.device("cpu")
-    settings = dict(ns_steps=5, coefficients="quintic")
+    settings = dict(ns_steps=5, coefficients="simple")
     settings.update(ns_settings)
     generator = torch.Generator(device=device).manual_seed(0)
     table = {}

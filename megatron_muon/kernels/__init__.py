@@ -1,6 +1,6 @@
 """Orthogonalization engine: batched standard and Gram Newton–Schulz with Triton symmetric kernels.
 
-`orthogonalize(G, steps=5, coefficients="quintic", method="auto")` is the entry point; `reference` holds the fp64
+`orthogonalize(G, steps=5, coefficients="simple", method="auto")` is the entry point; `reference` holds the fp64
 oracles, `coefficients` the one table of NS schedules, `flops` the FLOP accounting. The algorithms
 themselves (`newton_schulz.newton_schulz`, `newton_schulz.gram_newton_schulz`) take any op backend from `ops`.
 """

@@ -1,44 +1,51 @@
 """Newton–Schulz coefficient schedules: the one table every NS implementation in the package reads.
 
 An NS iteration maps each singular value s of the (normalized) iterate through p(s) = a·s + b·s³ + c·s⁵.
-A schedule is one (a, b, c) per iteration; names resolve to schedules here so the optimizer, the kernels,
-the reference oracle and the benchmarks cannot drift apart.
+A schedule is one (a, b, c) per iteration. The names are megatron-core's `muon_coefficient_type` names with
+megatron-core's numbers (emerging-optimizers 0.3), so `orthogonalize(coefficients=NAME)`, `Muon(coefficients=NAME)`
+and `--muon-coefficient-type NAME` run the same iterations: "simple" is Keller Jordan's (3.4445, −4.775, 2.0315),
+torch.optim.Muon's schedule; "quintic" is a different, steeper five-step schedule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 Coefficient = tuple[float, float, float]
 
 # Keller Jordan's quintic: maximizes the slope at zero; converges to ~U·S'·Vᵀ with S' in roughly [0.7, 1.2].
-QUINTIC: Coefficient = (3.4445, -4.7750, 2.0315)
+SIMPLE: Coefficient = (3.4445, -4.7750, 2.0315)
 
-# Polar Express, degree 5 (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932, Algorithm 1): per-iteration
-# minimax-optimal polynomials. Later iterations equal the last entry numerically.
-_POLAR_EXPRESS_UNSCALED: tuple[Coefficient, ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-)
-# The paper's safety factor: p(x/f)·... keeps slightly-above-one singular values (rounding) from overshooting.
-# Applied to every polynomial but the last (which is already the convergent fixed-point polynomial).
-POLAR_EXPRESS_SAFETY = 1.01
-POLAR_EXPRESS: tuple[Coefficient, ...] = tuple(
-    (a / POLAR_EXPRESS_SAFETY, b / POLAR_EXPRESS_SAFETY**3, c / POLAR_EXPRESS_SAFETY**5)
-    for a, b, c in _POLAR_EXPRESS_UNSCALED[:-1]
-) + (_POLAR_EXPRESS_UNSCALED[-1],)
 
-# name -> schedule; a schedule shorter than the step count repeats its last entry.
-COEFFICIENT_SETS: dict[str, tuple[Coefficient, ...]] = {
-    "quintic": (QUINTIC,),
-    "polar_express": POLAR_EXPRESS,
+class CoefficientSet(NamedTuple):
+    """A named schedule and how it continues past its length: "cycle" restarts it, "repeat_last" holds its last
+    entry (megatron-core's rule per name)."""
+
+    schedule: tuple[Coefficient, ...]
+    continuation: str
+
+
+COEFFICIENT_SETS: dict[str, CoefficientSet] = {
+    "simple": CoefficientSet((SIMPLE,), "cycle"),
+    # Leloy Kun's per-step optimization (modded-nanogpt's medium speed run).
+    "quintic": CoefficientSet(((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+                               (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)), "cycle"),
+    # Polar Express (arXiv:2505.16932, Algorithm 1), its 1.01 safety factor folded in; the last entry is the
+    # convergent fixed-point polynomial.
+    "polar_express": CoefficientSet(((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184), (3.9096, -2.8234, 0.5250),
+                                     (3.2856, -2.4153, 0.4853), (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+                                     (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)), "repeat_last"),
+    # CANS (arXiv:2506.10935): Remez polynomials on adaptive intervals.
+    "cans": CoefficientSet(((8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
+                            (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)), "repeat_last"),
+    # flash-newton-schulz's schedule for AOL-preconditioned inputs.
+    "aol": CoefficientSet(((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
+                           (2.7215, -3.0494, 1.3169)), "cycle"),
+    # DeepSeek-V4: eight of Keller's steps, then two steps of the cubic-like fixed-point polynomial.
+    "deepseekv4": CoefficientSet((SIMPLE,) * 8 + ((2.0, -1.5, 0.5),) * 2, "repeat_last"),
 }
+DEFAULT_COEFFICIENTS = "simple"  # torch.optim.Muon's schedule; megatron's OptimizerConfig defaults to "quintic"
 
 
 def _as_triple(value, where: str) -> Coefficient:
@@ -54,8 +61,9 @@ def _as_triple(value, where: str) -> Coefficient:
 def resolve_coefficients(coefficients: str | Sequence, steps: int) -> list[Coefficient]:
     """Return exactly `steps` (a, b, c) triples for a name, one triple, or a per-iteration list.
 
-    A list shorter than `steps` repeats its last entry (how Polar Express defines later iterations); a list
-    longer than `steps` is an error, because silently truncating a schedule changes the result.
+    A name continues as megatron-core continues it (`CoefficientSet.continuation`). A list shorter than `steps`
+    repeats its last entry (how Polar Express defines later iterations); a list longer than `steps` is an error,
+    because silently truncating a schedule changes the result.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int (number of Newton–Schulz iterations), got {steps!r}")
@@ -63,14 +71,17 @@ def resolve_coefficients(coefficients: str | Sequence, steps: int) -> list[Coeff
         key = coefficients.lower()
         if key not in COEFFICIENT_SETS:
             raise ValueError(
-                f"unknown coefficient set {coefficients!r}; valid names: {sorted(COEFFICIENT_SETS)}, "
-                "or pass (a, b, c) / a list of (a, b, c) tuples"
+                f"unknown coefficient set {coefficients!r}; valid names (megatron-core's muon_coefficient_type): "
+                f"{sorted(COEFFICIENT_SETS)}, or pass (a, b, c) / a list of (a, b, c) tuples"
             )
-        schedule = list(COEFFICIENT_SETS[key])
+        named = COEFFICIENT_SETS[key]
+        if named.continuation == "cycle":
+            return [named.schedule[i % len(named.schedule)] for i in range(steps)]
+        schedule = list(named.schedule)
     else:
         items = list(coefficients)
         if not items:
-            raise ValueError("coefficients list is empty; pass a name like 'quintic' or at least one (a, b, c)")
+            raise ValueError("coefficients list is empty; pass a name like 'simple' or at least one (a, b, c)")
         if all(isinstance(x, (int, float)) for x in items):
             schedule = [_as_triple(items, "coefficients")]
         else:

@@ -18,7 +18,7 @@ def flops(
     batch: int = 1,
     *,
     restarts: Sequence[int] | None = None,
-    coefficients="quintic",
+    coefficients="simple",
     symmetric: bool = False,
 ) -> int:
     """FLOPs of `method` ('standard' | 'gram' | 'auto') on `batch` matrices of shape m×n.

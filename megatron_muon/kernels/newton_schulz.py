@@ -168,7 +168,7 @@ def _check_inputs(G: torch.Tensor, method: str, eps: float, restarts) -> None:
 def orthogonalize(
     G: torch.Tensor,
     steps: int = 5,
-    coefficients="quintic",
+    coefficients="simple",
     method: str = "auto",
     eps: float = 1e-7,
     *,

@@ -11,70 +11,20 @@ from typing import Any
 
 import torch
 
+from megatron_muon.kernels.coefficients import COEFFICIENT_SETS, resolve_coefficients
 from megatron_muon.optimizer.routing import MatrixLayout, matrix_layout, tag_fused_in_proj
-
-_SIMPLE = (3.4445, -4.7750, 2.0315)
-
-# The schedules megatron-core's `muon_coefficient_type` names (emerging-optimizers 0.3, muon_utils.py), and how a
-# schedule shorter than `muon_num_ns_steps` continues: "cycle" restarts it, "repeat_last" holds its last entry.
-MEGATRON_COEFFICIENT_SETS: dict[str, tuple[str, tuple[tuple[float, float, float], ...]]] = {
-    "simple": ("cycle", (_SIMPLE,)),
-    "quintic": (
-        "cycle",
-        (
-            (4.0848, -6.8946, 2.9270),
-            (3.9505, -6.3029, 2.6377),
-            (3.7418, -5.5913, 2.3037),
-            (2.8769, -3.1427, 1.2046),
-            (2.8366, -3.0525, 1.2012),
-        ),
-    ),
-    "polar_express": (
-        "repeat_last",
-        (
-            (8.2051, -22.9019, 16.4607),
-            (4.0664, -2.8612, 0.5184),
-            (3.9096, -2.8234, 0.5250),
-            (3.2856, -2.4153, 0.4853),
-            (2.2779, -1.6198, 0.3985),
-            (1.8726, -1.2307, 0.3585),
-            (1.8564, -1.2132, 0.3568),
-            (1.8750, -1.2500, 0.3750),
-        ),
-    ),
-    "cans": (
-        "repeat_last",
-        (
-            (8.4703, -25.1081, 18.6293),
-            (4.1828, -3.1087, 0.5806),
-            (3.9619, -2.9541, 0.5630),
-            (3.2866, -2.4647, 0.5074),
-            (2.2737, -1.6447, 0.4162),
-        ),
-    ),
-    "aol": (
-        "cycle",
-        ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254), (2.7215, -3.0494, 1.3169)),
-    ),
-    "deepseekv4": ("repeat_last", (_SIMPLE,) * 8 + ((2.0, -1.5, 0.5),) * 2),
-}
 
 # muon_fp32_matmul_prec → Newton–Schulz iteration dtype ("medium": the kernel's bf16/fp16 choice).
 _MATMUL_PRECISION_DTYPES = {"medium": None, "high": torch.float32, "highest": torch.float32}
 
 
 def megatron_coefficient_schedule(name: str, steps: int) -> list[tuple[float, float, float]]:
-    """Exactly `steps` (a, b, c) triples for a megatron `muon_coefficient_type` name."""
-    if name not in MEGATRON_COEFFICIENT_SETS:
-        raise ValueError(
-            f"unknown muon_coefficient_type {name!r}; valid choices: {sorted(MEGATRON_COEFFICIENT_SETS)}"
-        )
+    """Exactly `steps` (a, b, c) triples for a megatron `muon_coefficient_type` name (the package's one table)."""
+    if not isinstance(name, str) or name.lower() not in COEFFICIENT_SETS:
+        raise ValueError(f"unknown muon_coefficient_type {name!r}; valid choices: {sorted(COEFFICIENT_SETS)}")
     if steps < 1:
         raise ValueError(f"muon_num_ns_steps must be >= 1, got {steps}")
-    mode, table = MEGATRON_COEFFICIENT_SETS[name]
-    if mode == "cycle":
-        return [table[i % len(table)] for i in range(steps)]
-    return [table[min(i, len(table) - 1)] for i in range(steps)]
+    return resolve_coefficients(name, steps)
 
 
 def tp_group_fn_for(pg_collection):

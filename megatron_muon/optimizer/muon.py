@@ -105,7 +105,7 @@ class Muon(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         *,
         ns_steps: int = 5,
-        coefficients="quintic",
+        coefficients="simple",
         method: str = "auto",
         eps: float = 1e-7,
         scale_mode: str = "match_rms_adamw",

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from megatron_muon.kernels import orthogonalize
-from megatron_muon.kernels.coefficients import resolve_coefficients
+from megatron_muon.kernels.coefficients import COEFFICIENT_SETS, resolve_coefficients
 from megatron_muon.kernels.newton_schulz import default_restarts, gram_newton_schulz
 from megatron_muon.kernels.ops import TorchOps
 from megatron_muon.kernels.reference import newton_schulz_reference, singular_value_map
-from megatron_muon.megatron.muon_config import MEGATRON_COEFFICIENT_SETS, megatron_coefficient_schedule
 
 # (max |sorted singular values - fp64 iteration's|, max |signed per-direction gain - scalar map|); observed
 # worst 0.024 / 0.015 on these shapes and seeds; without restarts the output blows up (> 100).
@@ -36,7 +35,7 @@ def _signed_gains(Y, U, V):
     return torch.diagonal(U.T @ Y.double() @ V)
 
 
-CASES = [(64, 256, "quintic"), (96, 64, "quintic"), (48, 200, "polar_express"), (200, 48, "polar_express")]
+CASES = [(64, 256, "simple"), (96, 64, "simple"), (48, 200, "polar_express"), (200, 48, "polar_express")]
 
 
 @pytest.mark.parametrize("method", ["gram", "auto"])
@@ -67,7 +66,7 @@ def _gram_eigenvalue_floor(G, coefficients, restarts, steps=5):
     return floor, torch.linalg.matrix_norm(Y[0].double(), ord=2).item()
 
 
-@pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
+@pytest.mark.parametrize("coefficients", ["simple", "polar_express"])
 def test_no_spurious_negative_gram_eigenvalues(coefficients):
     G, *_ = _ill_conditioned(64, 192, 5)
     floor, top = _gram_eigenvalue_floor(G, coefficients, None)
@@ -85,13 +84,8 @@ def _spiked(m, n, seed):
     return (U * sigma) @ V.T
 
 
-# Our sets and megatron's `muon_coefficient_type` table (megatron's "quintic" is a different, steeper schedule).
-SCHEDULES = [("ours", "quintic"), ("ours", "polar_express")]
-SCHEDULES += [("megatron", name) for name in sorted(MEGATRON_COEFFICIENT_SETS)]
-
-
-def _schedule(source, name, steps):
-    return megatron_coefficient_schedule(name, steps) if source == "megatron" else resolve_coefficients(name, steps)
+# Every name of the one table (megatron-core's `muon_coefficient_type` names; "quintic" is steeper than "simple").
+SCHEDULES = sorted(COEFFICIENT_SETS)
 
 
 def _profile_error(G, schedule, method, restarts=None):
@@ -100,40 +94,40 @@ def _profile_error(G, schedule, method, restarts=None):
     return (torch.linalg.svdvals(Y.double()) - expected).abs().max().item()
 
 
-@pytest.mark.parametrize("source,name", SCHEDULES, ids=[f"{s}-{n}" for s, n in SCHEDULES])
-def test_default_restarts_keep_every_schedule_stable_for_3_to_8_steps(source, name):
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_default_restarts_keep_every_schedule_stable_for_3_to_8_steps(name):
     """Gram NS with the default restarts stays as close to the fp64 iteration as fp16 standard NS does, for every
     coefficient set we ship or translate, at every common step count (megatron's "quintic" at 8 steps is
     0.044 off even in standard NS, so the bound is relative to it)."""
     inputs = [_ill_conditioned(48, 200, 1)[0].to(torch.bfloat16), _spiked(48, 200, 0).to(torch.bfloat16)]
     for steps in range(3, 9):
-        schedule = _schedule(source, name, steps)
+        schedule = resolve_coefficients(name, steps)
         for G in inputs:
             gram, standard = _profile_error(G, schedule, "gram"), _profile_error(G, schedule, "standard")
             assert gram <= max(PROFILE_TOL, standard + PROFILE_TOL / 2), (steps, gram, standard)
 
 
 def test_default_restarts_follow_the_first_iterations_gain():
-    assert default_restarts(resolve_coefficients("quintic", 5)) == (3,)  # a² = 11.9 per iteration
-    assert default_restarts(resolve_coefficients("quintic", 7)) == (3, 5)
-    assert default_restarts(resolve_coefficients("quintic", 8)) == (2, 4, 6)  # the last R is one update old
-    assert default_restarts(resolve_coefficients("quintic", 4)) == (2,)
+    assert default_restarts(resolve_coefficients("simple", 5)) == (3,)  # a² = 11.9 per iteration
+    assert default_restarts(resolve_coefficients("simple", 7)) == (3, 5)
+    assert default_restarts(resolve_coefficients("simple", 8)) == (2, 4, 6)  # the last R is one update old
+    assert default_restarts(resolve_coefficients("simple", 4)) == (2,)
     assert default_restarts(resolve_coefficients("polar_express", 5)) == (2, 4)
-    assert default_restarts(megatron_coefficient_schedule("quintic", 5)) == (2, 4)
-    assert default_restarts(resolve_coefficients("quintic", 2)) == ()
+    assert default_restarts(resolve_coefficients("quintic", 5)) == (2, 4)
+    assert default_restarts(resolve_coefficients("simple", 2)) == ()
 
 
 def test_a_late_first_restart_blows_up_a_steep_schedule():
     """Guards the gain rule: megatron's "quintic" (a₀²·a₁² = 260) needs its first restart before the 3rd
     iteration; Keller's (141) does not."""
     G = _spiked(48, 200, 0).to(torch.bfloat16)
-    assert _profile_error(G, _schedule("megatron", "quintic", 5), "gram", restarts=(3,)) > 10
-    assert _profile_error(G, _schedule("megatron", "quintic", 5), "gram") <= PROFILE_TOL
-    assert _profile_error(G, _schedule("ours", "quintic", 5), "gram", restarts=(3,)) <= PROFILE_TOL
+    assert _profile_error(G, resolve_coefficients("quintic", 5), "gram", restarts=(3,)) > 10
+    assert _profile_error(G, resolve_coefficients("quintic", 5), "gram") <= PROFILE_TOL
+    assert _profile_error(G, resolve_coefficients("simple", 5), "gram", restarts=(3,)) <= PROFILE_TOL
 
 
 def test_without_restarts_the_gram_iteration_blows_up():
     """Guards the test above: it is sensitive to exactly the failure restarts prevent."""
     G, *_ = _ill_conditioned(64, 192, 5)
-    floor, top = _gram_eigenvalue_floor(G, "quintic", ())
+    floor, top = _gram_eigenvalue_floor(G, "simple", ())
     assert floor < GRAM_EIGEN_FLOOR and top > 10

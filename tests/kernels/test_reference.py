@@ -26,7 +26,7 @@ def test_gram_reference_equals_standard_reference_for_any_restarts():
 def test_reference_acts_on_singular_values_by_the_scalar_map():
     G = _random((20, 50), 7)
     U, S, Vh = torch.linalg.svd(G, full_matrices=False)
-    Y = newton_schulz_reference(G, steps=5, coefficients="quintic")
+    Y = newton_schulz_reference(G, steps=5, coefficients="simple")
     expected = U @ torch.diag(singular_value_map(S / G.norm())) @ Vh
     torch.testing.assert_close(Y, expected, rtol=0, atol=1e-10)
 
