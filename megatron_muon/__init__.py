@@ -15,6 +15,7 @@ if sys.version_info < (3, 12):  # pragma: no cover - exercised by the version te
         f"`python3.12 -m pip install megatron-muon`."
     )
 
+from megatron_muon.patches import installed_patches  # noqa: E402
 from megatron_muon.version_check import SUPPORTED_MEGATRON_CORE, check_megatron_core  # noqa: E402
 
 _registered = False
@@ -36,4 +37,4 @@ def register() -> None:
     _registered = True
 
 
-__all__ = ["__version__", "register", "check_megatron_core", "SUPPORTED_MEGATRON_CORE"]
+__all__ = ["__version__", "register", "installed_patches", "check_megatron_core", "SUPPORTED_MEGATRON_CORE"]

@@ -152,7 +152,7 @@ def _patch_torch_cuda() -> None:
     cuda.nvtx.range_pop = lambda *a, **k: None
     # The RNG tracker keeps one state per name and swaps it in and out: route that to the CPU generator.
     cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls this; keep it from recursing
-    cuda.manual_seed = torch.manual_seed
+    cuda.manual_seed = lambda seed: torch.manual_seed(seed)
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     cuda.random.get_rng_state = cuda.get_rng_state
