@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_muon.kernels.coefficients import Coefficient, resolve_coefficients
-from megatron_muon.kernels.ops import select_ops
+from megatron_muon.kernels.backends import select_ops
 
 METHODS = ("standard", "gram", "auto")
 

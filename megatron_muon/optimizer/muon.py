@@ -35,18 +35,18 @@ from megatron_muon.optimizer.routing import (
 )
 from megatron_muon.optimizer.tensor_parallel import TP_MODES, gather_tp_shards, local_tp_shard
 
-_NS_KEYS = ("ns_steps", "coefficients", "method", "eps")
+NS_KEYS = ("ns_steps", "coefficients", "method", "eps")
 
 
-def _freeze(value):
+def freeze_setting(value):
     """Hashable form of a group setting (coefficient schedules are lists of lists after a state_dict round trip)."""
     if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
+        return tuple(freeze_setting(v) for v in value)
     return value
 
 
 @dataclass
-class _Bucket:
+class Bucket:
     """Matrices of one local shape that share NS settings and TP gathering: one batched orthogonalize."""
 
     shape: tuple[int, int]
@@ -66,11 +66,11 @@ class _Source(NamedTuple):
 
 
 @dataclass
-class _Plan:
+class Plan:
     params: list[torch.Tensor]
     group_of: list[int]
     layouts: list[MatrixLayout]
-    buckets: list[_Bucket]
+    buckets: list[Bucket]
 
 
 class Muon(torch.optim.Optimizer):
@@ -144,7 +144,7 @@ class Muon(torch.optim.Optimizer):
         self.check_finite = check_finite
         fused_passes.check_setting(fused_elementwise)
         self.fused_elementwise = fused_elementwise
-        self._plan_cache: tuple[tuple, _Plan] | None = None
+        self._plan_cache: tuple[tuple, Plan] | None = None
         # megatron's deferred clip (`megatron.clip_deferral`): the next step multiplies each gradient by this
         # one-element fp32 tensor as it reads it, inside the fused momentum pass where it can
         self.pending_grad_factor: torch.Tensor | None = None
@@ -223,29 +223,29 @@ class Muon(torch.optim.Optimizer):
     def _wave(self, param: torch.Tensor) -> int:
         return 0
 
-    def _build_plan(self, params: list[torch.Tensor], group_of: list[int]) -> _Plan:
+    def _build_plan(self, params: list[torch.Tensor], group_of: list[int]) -> Plan:
         layouts = [self._layout(p, None) for p in params]
-        buckets: dict[tuple, _Bucket] = {}
-        singles: list[_Bucket] = []
+        buckets: dict[tuple, Bucket] = {}
+        singles: list[Bucket] = []
         for index, (param, layout) in enumerate(zip(params, layouts)):
             group = self.param_groups[group_of[index]]
-            ns_key = tuple(_freeze(group[k]) for k in _NS_KEYS)
+            ns_key = tuple(freeze_setting(group[k]) for k in NS_KEYS)
             tp_group, partition_dim = self._tp_key(param, layout)
             wave = self._wave(param)
             for piece_index, piece in enumerate(piece_views(param, layout)):
                 shape = piece_matrix_shape(piece)
                 if not self.batched:
-                    singles.append(_Bucket(shape, group_of[index], tp_group, partition_dim, [(index, piece_index)],
+                    singles.append(Bucket(shape, group_of[index], tp_group, partition_dim, [(index, piece_index)],
                                            wave))
                     continue
                 key = (wave, shape, ns_key, id(tp_group), partition_dim)
-                bucket = buckets.setdefault(key, _Bucket(shape, group_of[index], tp_group, partition_dim, wave=wave))
+                bucket = buckets.setdefault(key, Bucket(shape, group_of[index], tp_group, partition_dim, wave=wave))
                 bucket.items.append((index, piece_index))
-        plan = _Plan(params, group_of, layouts, list(buckets.values()) + singles)
+        plan = Plan(params, group_of, layouts, list(buckets.values()) + singles)
         assert_pieces_cover_params([bucket.items for bucket in plan.buckets], plan.params, plan.layouts)
         return plan
 
-    def _plan(self, params: list[torch.Tensor], group_of: list[int]) -> _Plan:
+    def _plan(self, params: list[torch.Tensor], group_of: list[int]) -> Plan:
         key = tuple(zip(map(id, params), group_of))
         if self._plan_cache is None or self._plan_cache[0] != key:
             self._plan_cache = (key, self._build_plan(params, group_of))
@@ -260,7 +260,7 @@ class Muon(torch.optim.Optimizer):
             )
 
     def _orthogonalize_bucket(
-        self, bucket: _Bucket, stacked: torch.Tensor, narrow_result: bool = False
+        self, bucket: Bucket, stacked: torch.Tensor, narrow_result: bool = False
     ) -> tuple[torch.Tensor, tuple[int, int]]:
         """Batched NS of one bucket; `narrow_result` keeps the iteration dtype for fp32 targets (no widened copy)."""
         group = self.param_groups[bucket.group_index]
@@ -324,7 +324,7 @@ class Muon(torch.optim.Optimizer):
                     self._apply_updates(owner, group_targets, chunks, scale, fused, models)
         return loss
 
-    def _bucket_update(self, bucket_index: int, bucket: _Bucket, plan: _Plan, sources, factor):
+    def _bucket_update(self, bucket_index: int, bucket: Bucket, plan: Plan, sources, factor):
         """The bucket's orthogonalized momentum updates (stacked) and its full matrix shape."""
         with record_function(f"muon.stack_momentum {bucket.shape}"):
             stacked = self._stack_updates(bucket, plan, sources, factor)
@@ -332,7 +332,7 @@ class Muon(torch.optim.Optimizer):
             return self._orthogonalize_bucket(bucket, stacked, narrow_result=self._narrow(bucket, plan))
 
     @staticmethod
-    def _narrow(bucket: _Bucket, plan: _Plan) -> bool:
+    def _narrow(bucket: Bucket, plan: Plan) -> bool:
         """fp32 targets take the iteration-dtype result; 16-bit ones the stack dtype's (the owners' rounding)."""
         return all(plan.params[index].dtype == torch.float32 for index, _ in bucket.items)
 
@@ -387,7 +387,7 @@ class Muon(torch.optim.Optimizer):
     def _stack_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return muon_math.stack_dtype(grad_dtype, self.compute_dtype)
 
-    def _stack_updates(self, bucket: _Bucket, plan: _Plan, sources, factor) -> torch.Tensor:
+    def _stack_updates(self, bucket: Bucket, plan: Plan, sources, factor) -> torch.Tensor:
         """The bucket's momentum updates as one [b, rows, cols] NS input, each blended straight into its slot."""
         pieces = []
         for index, piece_index in bucket.items:

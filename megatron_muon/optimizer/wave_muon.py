@@ -18,11 +18,11 @@ from torch.profiler import record_function
 
 from megatron_muon.kernels.newton_schulz import work_dtype
 from megatron_muon.optimizer import muon_math
-from megatron_muon.optimizer.muon import _NS_KEYS, Muon, _Bucket, _freeze, _Plan
+from megatron_muon.optimizer.muon import NS_KEYS, Bucket, Muon, Plan, freeze_setting
 from megatron_muon.optimizer.routing import piece_views
 from megatron_muon.optimizer.speculation_graphs import SpeculationGraphs
 
-_SPECULATION_KEYS = (*_NS_KEYS, "momentum", "nesterov", "weight_decay_mode")  # the settings a speculation reads
+_SPECULATION_KEYS = (*NS_KEYS, "momentum", "nesterov", "weight_decay_mode")  # the settings a speculation reads
 
 
 class WaveMuon(Muon):
@@ -36,14 +36,14 @@ class WaveMuon(Muon):
         self.speculation_used = 0
         self.speculation_discarded = 0
         self._by_wave = False  # buckets split by wave while speculating; a step without speculation batches as Muon
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict[tuple, Plan] = {}
         self.graphs = SpeculationGraphs()
         super().__init__(params, *args, **kwargs)
 
     def _wave(self, param: torch.Tensor) -> int:
         return self.wave_of.get(id(param), 0) if self._by_wave else 0
 
-    def _plan(self, params: list[torch.Tensor], group_of: list[int]) -> _Plan:
+    def _plan(self, params: list[torch.Tensor], group_of: list[int]) -> Plan:
         key = (tuple(zip(map(id, params), group_of)), self._by_wave)
         if key not in self._plans:
             if len(self._plans) >= 4:  # the parameter set changed (megatron swapped in masters): start over
@@ -94,14 +94,14 @@ class WaveMuon(Muon):
         self.speculated_buckets += len(prepared)
         return len(prepared)
 
-    def _graphable(self, plan: _Plan, buckets, grads) -> bool:
+    def _graphable(self, plan: Plan, buckets, grads) -> bool:
         """CUDA tensors only, and no tensor-parallel bucket (their all-to-alls run on the TP group's own terms)."""
         return all(bucket.tp_group is None for _, bucket in buckets) and all(g.is_cuda for g in grads.values())
 
-    def _graph_key(self, plan: _Plan, buckets, grads) -> tuple:
+    def _graph_key(self, plan: Plan, buckets, grads) -> tuple:
         """What a captured wave depends on: the tensors it reads (by address) and every setting it bakes in."""
         groups = sorted({plan.group_of[index] for _, bucket in buckets for index, _ in bucket.items})
-        settings = tuple((g, *(_freeze(self.param_groups[g][k]) for k in _SPECULATION_KEYS),
+        settings = tuple((g, *(freeze_setting(self.param_groups[g][k]) for k in _SPECULATION_KEYS),
                           self.param_groups[g]["weight_decay"] if self.param_groups[g]["weight_decay_mode"] == "l2"
                           else None) for g in groups)  # not lr: the schedule changes it every step
         tensors = tuple((index, grads[index].data_ptr(), plan.params[index].data_ptr(),
@@ -110,7 +110,7 @@ class WaveMuon(Muon):
         shape = tuple((bucket_index, bucket.shape, tuple(bucket.items)) for bucket_index, bucket in buckets)
         return shape, tensors, settings, self.compute_dtype
 
-    def _speculative_stack(self, bucket: _Bucket, plan: _Plan, grads: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _speculative_stack(self, bucket: Bucket, plan: Plan, grads: dict[int, torch.Tensor]) -> torch.Tensor:
         """`_stack_updates` with the momentum EMA into temporaries: the same rounding as the step's eager EMA
         (buffer.lerp_(grad, 1 - β)) followed by its Nesterov blend."""
         pieces = []
@@ -133,7 +133,7 @@ class WaveMuon(Muon):
             muon_math.nesterov_into_(grad, ema, slot, group["momentum"], group["nesterov"])
         return stacked
 
-    def _usable(self, plan: _Plan) -> dict[int, tuple]:
+    def _usable(self, plan: Plan) -> dict[int, tuple]:
         """Prepared buckets whose gradients are still the ones speculated on (same tensors, no clip since)."""
         usable = {}
         for bucket_index, (ortho, full_shape, pointers) in self._prepared.items():
@@ -172,7 +172,7 @@ class WaveMuon(Muon):
         """Prepared buckets skip the stacking pass, so their momentum EMA runs eagerly (same rounding)."""
         return id(param) not in getattr(self, "_for_step_params", ())
 
-    def _orthogonalize_bucket(self, bucket: _Bucket, stacked: torch.Tensor, narrow_result: bool = False):
+    def _orthogonalize_bucket(self, bucket: Bucket, stacked: torch.Tensor, narrow_result: bool = False):
         """Tensor-parallel buckets: each matrix is assembled on one TP rank only (matrix j on rank j mod tp), which
         runs its Newton–Schulz; one all-to-all brings the shards in and one takes the results back, so the TP ranks
         share the work instead of repeating it. Same full matrices, same per-matrix result as gathering everywhere."""
@@ -216,7 +216,7 @@ class WaveMuon(Muon):
         shape[partition_dim] *= tp
         return shape[0], shape[1]
 
-    def _bucket_update(self, bucket_index: int, bucket: _Bucket, plan: _Plan, sources, factor):
+    def _bucket_update(self, bucket_index: int, bucket: Bucket, plan: Plan, sources, factor):
         ready = getattr(self, "_for_step", {}).get(bucket_index)
         if ready is not None:
             return ready

@@ -30,15 +30,16 @@ class RemoteError(RuntimeError):
 
 def _worker_main(rank: int, world_size: int, port: int, conn, parent_sys_path: list[str], threads: int) -> None:
     sys.path[:] = parent_sys_path
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.environ.update(LOCAL_RANK=str(rank), TORCHDYNAMO_DISABLE=os.environ.get("TORCHDYNAMO_DISABLE", "1"))
     import torch
     import torch.distributed as dist
 
     from megatron_muon._cpu import enable_cpu_mode
 
+    if os.environ.get("TORCHDYNAMO_DISABLE", "1") == "1":  # CPU ranks run eagerly unless the caller asks otherwise
+        torch._dynamo.config.disable = True
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=180))
     enable_cpu_mode(nan_empty=True)
     conn.send(("ready", None))
     while True:

@@ -46,16 +46,21 @@ class RunContext:
         return self.rank == 0
 
 
-def _export_launcher_env() -> None:
-    """Fill torch's env:// variables from srun, or for a lone process, so init_process_group sees one scheme."""
-    if "WORLD_SIZE" not in os.environ and launched_world_size() > 1:  # srun without torchrun
-        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-        os.environ["RANK"] = os.environ["SLURM_PROCID"]
-        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-        os.environ.setdefault("MASTER_PORT", "29500")
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="localhost")
-        os.environ["MASTER_PORT"] = str(free_port())
+def _rendezvous() -> tuple[str, dict]:
+    """How this process joins its group, read from the launcher's environment (never written): torchrun's env://
+    (its agent may already host the store), srun's task variables with MASTER_ADDR, or a lone process on a free
+    local port."""
+    if "WORLD_SIZE" in os.environ:  # torchrun (or a caller that set the env:// variables itself)
+        return "env://", {}
+    if launched_world_size() > 1:  # srun without torchrun
+        port = os.environ.get("MASTER_PORT", "29500")
+        return f"tcp://{os.environ['MASTER_ADDR']}:{port}", {"rank": int(os.environ["SLURM_PROCID"]),
+                                                             "world_size": int(os.environ["SLURM_NTASKS"])}
+    return f"tcp://localhost:{free_port()}", {"rank": 0, "world_size": 1}
+
+
+def launched_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
 
 
 def _prepare_cpu(torch_compile: bool) -> None:
@@ -75,7 +80,7 @@ def _prepare_cpu(torch_compile: bool) -> None:
 
 def current_context() -> RunContext:
     """Who this rank is, once the process group exists."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launched_local_rank()
     if torch.cuda.is_available():
         device, device_name = torch.device("cuda", torch.cuda.current_device()), torch.cuda.get_device_name()
     else:
@@ -95,15 +100,15 @@ def init_parallel_state(tp: int, pp: int) -> None:
 
 def init_distributed(tp: int, pp: int, torch_compile: bool = False) -> RunContext:
     """Start the process group (NCCL on GPUs, gloo + CPU mode without) and parallel_state; returns who we are."""
-    _export_launcher_env()
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(launched_local_rank())
         backend = "nccl"
     else:
         _prepare_cpu(torch_compile)
         backend = "gloo"
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend=backend, init_method="env://")
+        init_method, rank_and_size = _rendezvous()
+        torch.distributed.init_process_group(backend=backend, init_method=init_method, **rank_and_size)
     init_parallel_state(tp, pp)
     return current_context()
 
