@@ -1,4 +1,4 @@
-"""Gradient clipping's in-place scale over the hybrid-1.5B's fp32 gradients: ours (`megatron/clip_scale.py`)
+"""Gradient clipping's in-place scale over the hybrid-1.5B's fp32 gradients: ours (`optimizer/clip_scale.py`)
 against torch's foreach multiply (what megatron runs without Transformer Engine), both in one run on one GPU.
 
 The gradients are views into one buffer, laid out as megatron's DDP does (the reference shapes, with gaps). Factor 1
@@ -18,7 +18,7 @@ from bench_env import emit_markdown, gpu_result_header, views_of_one_buffer  # b
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_muon.megatron.clip_scale import scale_in_place  # noqa: E402
+from megatron_muon.optimizer.clip_scale import scale_in_place  # noqa: E402
 
 GAP = 64
 

@@ -1,13 +1,13 @@
 """megatron's mixed-precision AdamW step over the hybrid-1.5B's parameters: the clip multiply, torch's fused AdamW
 and the master-to-model copy as megatron runs them (with our clip kernel and foreach copy), against the one pass
-of `megatron/master_adamw.py`, in one run on one GPU.
+of `optimizer/one_pass_adamw.py` (installed by `megatron/master_adamw.py`), in one run on one GPU.
 
 fp32 master weights (one tensor each, the reference shapes), fp32 gradients as views of one buffer (megatron's
 DDP), bf16 model parameters. Factor 1 is an unclipped step, 0.999 a clipped one.
 
     python benchmarks/master_adamw.py --sweep --out benchmarks/results/master_adamw.md
 
-`--sweep` also times the pass at other tiles (elements per program, warps): how `master_adamw.BLOCK` was chosen.
+`--sweep` also times the pass at other tiles (elements per program, warps): how `one_pass_adamw.BLOCK` was chosen.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from bench_env import emit_markdown, gpu_result_header, views_of_one_buffer  # b
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_muon.megatron.clip_scale import scale_in_place  # noqa: E402
-from megatron_muon.megatron import master_adamw  # noqa: E402
-from megatron_muon.megatron.master_adamw import OnePassAdamW  # noqa: E402
+from megatron_muon.optimizer.clip_scale import scale_in_place  # noqa: E402
+from megatron_muon.optimizer import one_pass_adamw  # noqa: E402
+from megatron_muon.optimizer.one_pass_adamw import OnePassAdamW  # noqa: E402
 
 BYTES_PER_ELEMENT = 4 * 7 + 2
 SWEEP_TILES = ((1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16))
@@ -91,19 +91,19 @@ def tile_sweep(ours, numel: int, reps: int) -> list[str]:
     """The pass (clipped) at each tile of SWEEP_TILES; the module's tile is restored after."""
     from triton.testing import do_bench
 
-    chosen = (master_adamw.BLOCK, master_adamw.NUM_WARPS)
+    chosen = (one_pass_adamw.BLOCK, one_pass_adamw.NUM_WARPS)
     factor = torch.tensor([0.999], device="cuda")
     rows = ["", "| elements per program | warps | one pass ms | TB/s |", "|---:|---:|---:|---:|"]
     try:
         for block, warps in SWEEP_TILES:
-            master_adamw.BLOCK, master_adamw.NUM_WARPS = block, warps
-            master_adamw._tables.cache_clear()  # the block tables depend on BLOCK
+            one_pass_adamw.BLOCK, one_pass_adamw.NUM_WARPS = block, warps
+            one_pass_adamw._tables.cache_clear()  # the block tables depend on BLOCK
             ms = do_bench(lambda: ours(factor), rep=reps)
             mark = " (chosen)" if (block, warps) == chosen else ""
             rows.append(f"| {block}{mark} | {warps} | {ms:.3f} | {numel * BYTES_PER_ELEMENT / ms / 1e9:.2f} |")
     finally:
-        master_adamw.BLOCK, master_adamw.NUM_WARPS = chosen
-        master_adamw._tables.cache_clear()
+        one_pass_adamw.BLOCK, one_pass_adamw.NUM_WARPS = chosen
+        one_pass_adamw._tables.cache_clear()
     return rows + ["", f"TB/s counts {BYTES_PER_ELEMENT} bytes per element: reads of the master weight, gradient and "
                        "two moments, writes of the master weight, the moments and the bf16 copy."]
 

@@ -83,3 +83,10 @@ def test_library_code_writes_no_environment_variables_beyond_the_known_ones():
                if (lines := _environment_writes(path))}
     assert set(writers) <= KNOWN_ENVIRONMENT_WRITES, writers
     assert set(writers) == KNOWN_ENVIRONMENT_WRITES  # one removed without updating the list fails too
+
+
+def test_megatron_glue_holds_no_kernels():
+    """`megatron_muon/megatron/` only connects the plugin to megatron; kernels live in kernels/ and optimizer/."""
+    glue = [str(path.relative_to(PACKAGE)) for path in (PACKAGE / "megatron").rglob("*.py")
+            if "triton.jit" in path.read_text() or "import triton" in path.read_text()]
+    assert glue == []

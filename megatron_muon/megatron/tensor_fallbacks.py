@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_muon.megatron import clip_scale
+from megatron_muon.optimizer import clip_scale
 
 _PATCHED_MODULES = ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer")
 

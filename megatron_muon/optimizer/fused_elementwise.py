@@ -18,29 +18,23 @@ as they do for a contiguous parameter; anything else takes the fallback); offset
 
 from __future__ import annotations
 
-import os
 import struct
 
 import torch
 
+from megatron_muon.kernels.triton_math import INTERPRETING, supported
 from megatron_muon.optimizer import muon_math
 
 try:
     import triton
     import triton.language as tl
+
+    from megatron_muon.kernels.triton_math import fma, fp32_scalar, product, round_to, through
 except ImportError:  # the torch fallback serves every call
     triton = None
 
 _COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SETTINGS = ("auto", True, False)
-
-
-def supported(device: torch.device) -> bool:
-    """The Triton passes run here: CUDA tensors with Triton, or CPU tensors under TRITON_INTERPRET=1."""
-    if triton is None:
-        return False
-    return device.type == "cpu" if _INTERPRETING else device.type == "cuda"
 
 
 def use_fused(setting, device: torch.device) -> bool:
@@ -128,7 +122,7 @@ def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool, 
         grad, buffer, slot, blocks * rows, rows, cols, *strides[0], *strides[1], *strides[2], ema_weight,
         blend_weight, grad, buffer, 0, grad if grad_factor is None else grad_factor,
         EMA_SMALL=_lerp_weight_small(ema_weight), BLEND_SMALL=_lerp_weight_small(blend_weight),
-        NESTEROV=bool(nesterov), EMULATE=_INTERPRETING, PIECES=False, HAS_FACTOR=grad_factor is not None, **tile,
+        NESTEROV=bool(nesterov), EMULATE=INTERPRETING, PIECES=False, HAS_FACTOR=grad_factor is not None, **tile,
     )  # fmt: skip
 
 
@@ -158,44 +152,12 @@ def decay_and_update_(target, update, *, decay: float, alpha: float, model=None)
     model_strides = strides[2] if model is not None else (0, 0)
     _decay_update_kernel[grid](
         target, update, blocks * rows, rows, cols, *strides[0], *strides[1], float(decay), float(alpha), target, 0,
-        target if model is None else model, *model_strides, target, EMULATE=_INTERPRETING, PIECES=False,
+        target if model is None else model, *model_strides, target, EMULATE=INTERPRETING, PIECES=False,
         HAS_MODEL=model is not None, **tile,
     )  # fmt: skip
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-        """fp32 `x` rounded to nearest-even in DTYPE (the interpreter's own fp32→bf16 cast truncates)."""
-        if EMULATE and DTYPE == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            nearest = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            bits = tl.where(x == x, nearest, (bits >> 16) | 0x40)
-            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return x.to(DTYPE)
-
-    @triton.jit
-    def _through(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-        """fp32 `x` as torch sees it after storing it in DTYPE and reading it back."""
-        if DTYPE == tl.float32:
-            return x
-        return _round(x, DTYPE, EMULATE).to(tl.float32)
-
-    @triton.jit
-    def _fma(a, b, c, EMULATE: tl.constexpr):
-        """a·b + c with one rounding (the interpreter multiplies and adds in fp32; fp64 holds a·b exactly)."""
-        if EMULATE:
-            return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
-        return tl.fma(a, b, c)
-
-    @triton.jit
-    def _product(a, b, EMULATE: tl.constexpr):
-        """a·b rounded by itself, as a separate multiply kernel stores it: never contracted into a later add."""
-        if EMULATE:
-            return a * b
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, tl.broadcast_to(b, a.shape)],
-                                         dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
     def _tile(total_rows, rows, cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -210,18 +172,11 @@ if triton is not None:
         return Base + (block * block_stride + row * row_stride)[:, None] + col
 
     @triton.jit
-    def _fp32_scalar(x, EMULATE: tl.constexpr):
-        """A float kernel argument in fp32 (the interpreter passes Python floats, which would compute in fp64)."""
-        if EMULATE:
-            return tl.full([1, 1], x, tl.float32)
-        return x
-
-    @triton.jit
     def _lerp(start, end, weight, SMALL: tl.constexpr, EMULATE: tl.constexpr):
         """torch.lerp's two formulas: start + w(end - start) for |w| < 0.5, else end - (end - start)(1 - w)."""
         if SMALL:
-            return _fma(weight, end - start, start, EMULATE)
-        return _fma(weight - 1.0, end - start, end, EMULATE)
+            return fma(weight, end - start, start, EMULATE)
+        return fma(weight - 1.0, end - start, end, EMULATE)
 
     @triton.jit
     def _momentum_kernel(
@@ -243,25 +198,25 @@ if triton is not None:
         buffer_at = _at(Buffer, block, row, col, buffer_block_stride, buffer_row_stride)
         grad = tl.load(grad_at, mask=mask).to(tl.float32)
         buffer = tl.load(buffer_at, mask=mask).to(tl.float32)
-        ema_weight = _fp32_scalar(ema_weight, EMULATE)
-        blend_weight = _fp32_scalar(blend_weight, EMULATE)
+        ema_weight = fp32_scalar(ema_weight, EMULATE)
+        blend_weight = fp32_scalar(blend_weight, EMULATE)
         buffer_dtype: tl.constexpr = Buffer.dtype.element_ty
         grad_dtype: tl.constexpr = Grad.dtype.element_ty
         if HAS_FACTOR:  # the clip megatron would have stored into the gradient: the product in its dtype
-            grad = _through(_product(grad, tl.load(GradFactor), EMULATE), grad_dtype, EMULATE)
+            grad = through(product(grad, tl.load(GradFactor), EMULATE), grad_dtype, EMULATE)
         if buffer_dtype != grad_dtype:  # torch lerps the gradient cast to the buffer's dtype
-            new = _lerp(buffer, _through(grad, buffer_dtype, EMULATE), ema_weight, EMA_SMALL, EMULATE)
+            new = _lerp(buffer, through(grad, buffer_dtype, EMULATE), ema_weight, EMA_SMALL, EMULATE)
         else:
             new = _lerp(buffer, grad, ema_weight, EMA_SMALL, EMULATE)
-        stored = _round(new, buffer_dtype, EMULATE)
+        stored = round_to(new, buffer_dtype, EMULATE)
         tl.store(buffer_at, stored, mask=mask)
         new = stored.to(tl.float32)
         if buffer_dtype != grad_dtype:  # ... and blends the buffer cast to the gradient's dtype
-            new = _through(new, grad_dtype, EMULATE)
+            new = through(new, grad_dtype, EMULATE)
         if NESTEROV:  # torch.lerp(out=slot) rounds to the inputs' dtype before the slot's
-            new = _through(_lerp(grad, new, blend_weight, BLEND_SMALL, EMULATE), grad_dtype, EMULATE)
+            new = through(_lerp(grad, new, blend_weight, BLEND_SMALL, EMULATE), grad_dtype, EMULATE)
         slot_at = _at(Slot, block, row, col, slot_block_stride, slot_row_stride)
-        tl.store(slot_at, _round(new, Slot.dtype.element_ty, EMULATE), mask=mask)
+        tl.store(slot_at, round_to(new, Slot.dtype.element_ty, EMULATE), mask=mask)
 
     @triton.jit
     def _decay_update_kernel(
@@ -284,10 +239,10 @@ if triton is not None:
         update = tl.load(update_at, mask=mask).to(tl.float32)
         target_dtype: tl.constexpr = Target.dtype.element_ty
         # torch stores the decayed parameter first, then adds alpha·update in one fma
-        decayed = _through(target * _fp32_scalar(decay, EMULATE), target_dtype, EMULATE)
-        new = _fma(_fp32_scalar(alpha, EMULATE), update, decayed, EMULATE)
-        tl.store(target_at, _round(new, target_dtype, EMULATE), mask=mask)
+        decayed = through(target * fp32_scalar(decay, EMULATE), target_dtype, EMULATE)
+        new = fma(fp32_scalar(alpha, EMULATE), update, decayed, EMULATE)
+        tl.store(target_at, round_to(new, target_dtype, EMULATE), mask=mask)
         if HAS_MODEL:  # the 16-bit model copy of an fp32 master: the stored value rounded, as torch's copy_
             model_at = _at(Model, block, row, col, model_block_stride, model_row_stride)
-            tl.store(model_at, _round(_through(new, target_dtype, EMULATE), Model.dtype.element_ty, EMULATE),
+            tl.store(model_at, round_to(through(new, target_dtype, EMULATE), Model.dtype.element_ty, EMULATE),
                      mask=mask)

@@ -85,7 +85,7 @@ def momentum_into_slots_(grads, buffers, slots, *, momentum: float, nesterov: bo
         grads[0], buffers[0], slots[0], blocks * rows, rows, cols, *strides[0], *strides[1], *strides[2],
         ema_weight, blend_weight, grad_offsets, buffer_offsets, slot_spacing,
         grads[0] if grad_factor is None else grad_factor, EMA_SMALL=single._lerp_weight_small(ema_weight),
-        BLEND_SMALL=single._lerp_weight_small(blend_weight), NESTEROV=bool(nesterov), EMULATE=single._INTERPRETING,
+        BLEND_SMALL=single._lerp_weight_small(blend_weight), NESTEROV=bool(nesterov), EMULATE=single.INTERPRETING,
         PIECES=True, HAS_FACTOR=grad_factor is not None, **tile,
     )  # fmt: skip
     return True
@@ -104,7 +104,7 @@ def decay_and_update_pieces_(targets, updates, *, decay: float, alpha: float, mo
     single._decay_update_kernel[(*grid, len(targets))](
         targets[0], updates[0], blocks * rows, rows, cols, *strides[0], *strides[-1], float(decay), float(alpha),
         tables[0], update_spacing, targets[0] if models is None else models[0], *model_strides, model_offsets,
-        EMULATE=single._INTERPRETING, PIECES=True, HAS_MODEL=models is not None, **tile,
+        EMULATE=single.INTERPRETING, PIECES=True, HAS_MODEL=models is not None, **tile,
     )  # fmt: skip
     return True
 

@@ -14,8 +14,8 @@ from megatron_muon.kernels.ops import TorchOps  # noqa: E402
 from megatron_muon.kernels.scaled_copy import scaled_copy  # noqa: E402
 from megatron_muon.kernels.newton_schulz import _cast  # noqa: E402
 from megatron_muon.kernels.symmetric import _INTERPRET_CONFIG, TritonOps, symmetric_matmul  # noqa: E402
-from megatron_muon.megatron.clip_scale import BLOCK, scale_in_place  # noqa: E402
-from megatron_muon.megatron.main_grad_add import _triton_add  # noqa: E402
+from megatron_muon.optimizer.clip_scale import BLOCK, scale_in_place  # noqa: E402
+from megatron_muon.kernels.grad_accumulate import _triton_add  # noqa: E402
 
 
 def _assert_mirrored(out):

@@ -17,7 +17,7 @@ from tests.interpreter import patch_for_numpy_2_5
 
 patch_for_numpy_2_5()
 
-from megatron_muon.megatron import master_adamw  # noqa: E402
+from megatron_muon.optimizer import one_pass_adamw  # noqa: E402
 from megatron_muon.testing.pool import free_port  # noqa: E402
 
 TOLERANCE = dict(rtol=2e-6, atol=1e-7)  # the interpreter computes some fp32 products in fp64; torch does not
@@ -25,7 +25,7 @@ TOLERANCE = dict(rtol=2e-6, atol=1e-7)  # the interpreter computes some fp32 pro
 
 def check_the_pass_alone():
     g = torch.Generator().manual_seed(0)
-    sizes = [(3, 5), (master_adamw.BLOCK + 17,), (2, master_adamw.BLOCK)]
+    sizes = [(3, 5), (one_pass_adamw.BLOCK + 17,), (2, one_pass_adamw.BLOCK)]
     cases = [(torch.optim.AdamW, None, 0), (torch.optim.AdamW, 0.3, 0), (torch.optim.Adam, None, 0),
              (torch.optim.Adam, 0.3, 0), (torch.optim.AdamW, 0.3, 1)]  # offset 1: gradients not 16-byte aligned
     for optimizer_class, factor, offset in cases:
@@ -34,7 +34,7 @@ def check_the_pass_alone():
         models = [m.bfloat16() for m in mains[:2]]  # the last one has no model copy (an fp32 model param)
         options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
         model_of = {id(main): model for main, model in zip(mains, models)}
-        ours = master_adamw.OnePassAdamW(optimizer_class(mains, **options), model_of)
+        ours = one_pass_adamw.OnePassAdamW(optimizer_class(mains, **options), model_of)
         torch_optimizer = optimizer_class(reference, **options)
         for _ in range(3):
             grads = [torch.randn(m.shape, generator=g) for m in mains]
@@ -57,10 +57,10 @@ def check_the_pass_alone():
 def check_parameters_that_miss_steps():
     """A parameter without a gradient in some step keeps its own step count (bias correction), as in torch."""
     g = torch.Generator().manual_seed(1)
-    mains = [torch.randn(size, generator=g) for size in [(4, 8), (master_adamw.BLOCK + 3,), (2, 5)]]
+    mains = [torch.randn(size, generator=g) for size in [(4, 8), (one_pass_adamw.BLOCK + 3,), (2, 5)]]
     reference = [m.clone() for m in mains]
     options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
-    ours = master_adamw.OnePassAdamW(torch.optim.AdamW(mains, **options), {})
+    ours = one_pass_adamw.OnePassAdamW(torch.optim.AdamW(mains, **options), {})
     torch_optimizer = torch.optim.AdamW(reference, **options)
     for with_grad in [(True, True, True), (False, True, True), (False, True, False), (True, True, True)]:
         for main, ref, has_grad in zip(mains, reference, with_grad):

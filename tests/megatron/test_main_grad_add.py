@@ -4,6 +4,7 @@ and the buffers end equal to megatron's own accumulation (CPU: both add with tor
 import pytest
 import torch
 
+from megatron_muon.kernels import grad_accumulate
 from megatron_muon.megatron import main_grad_add
 
 
@@ -30,8 +31,8 @@ def _main_grads(rank, world_size, hooked: bool, overlap: bool, overwrite: bool =
         count = main_grad_add.install_main_grad_add(model)
         assert count == len(list(model.parameters())) > 0
         assert main_grad_add.install_main_grad_add(model) == 0  # idempotent: a second hook would add twice
-        original = main_grad_add.accumulate
-        main_grad_add.accumulate = lambda main_grad, grad, overwrite=False: (
+        original = grad_accumulate.accumulate
+        grad_accumulate.accumulate = lambda main_grad, grad, overwrite=False: (
             calls.append(grad.shape), original(main_grad, grad, overwrite))
     if overwrite:
         assert main_grad_add.install_first_grad_overwrite(model)
@@ -55,7 +56,7 @@ def _main_grads(rank, world_size, hooked: bool, overlap: bool, overwrite: bool =
             named[gradless].requires_grad_(True)
     finally:
         if hooked:
-            main_grad_add.accumulate = original
+            grad_accumulate.accumulate = original
     return {"grads": grads, "calls": len(calls), "params": len(named), "zeroed": zeroed}
 
 
@@ -136,10 +137,10 @@ def _declines_without_hooks(rank, world_size):
 
 def test_accumulate_falls_back_to_torch_off_the_gpu_and_for_other_dtypes():
     main = torch.zeros(5)
-    main_grad_add.accumulate(main, torch.ones(5, dtype=torch.bfloat16))
-    main_grad_add.accumulate(main, torch.full((5,), 2.0))
+    grad_accumulate.accumulate(main, torch.ones(5, dtype=torch.bfloat16))
+    grad_accumulate.accumulate(main, torch.full((5,), 2.0))
     assert torch.equal(main, torch.full((5,), 3.0))
-    main_grad_add.accumulate(main, torch.ones(5, dtype=torch.bfloat16), overwrite=True)
+    grad_accumulate.accumulate(main, torch.ones(5, dtype=torch.bfloat16), overwrite=True)
     assert torch.equal(main, torch.ones(5))
 
 
@@ -151,9 +152,9 @@ def test_triton_accumulate_equals_torch_add_on_the_gpu():
         main = torch.randn(numel, device="cuda", generator=g)
         grad = torch.randn(numel, device="cuda", generator=g).to(dtype)
         expected = main + grad.float()
-        main_grad_add.accumulate(main, grad)
+        grad_accumulate.accumulate(main, grad)
         assert torch.equal(main, expected)
-        main_grad_add.accumulate(main, grad, overwrite=True)
+        grad_accumulate.accumulate(main, grad, overwrite=True)
         assert torch.equal(main, grad.float())
 
 

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from megatron_muon.optimizer.fused_elementwise import supported
+from megatron_muon.kernels.triton_math import supported
 
 try:
     import triton
