@@ -45,7 +45,22 @@ COEFFICIENT_SETS: dict[str, CoefficientSet] = {
     # DeepSeek-V4: eight of Keller's steps, then two steps of the cubic-like fixed-point polynomial.
     "deepseekv4": CoefficientSet((SIMPLE,) * 8 + ((2.0, -1.5, 0.5),) * 2, "repeat_last"),
 }
+# Names whose numbers assume an input other than the Frobenius-normalized one every schedule here gets.
+UNSAFE_AFTER_FROBENIUS = {
+    "aol": "made for AOL-rescaled inputs; after Frobenius normalization its first polynomial maps a singular value of "
+           "1 to -0.585, so the directions holding most of the update come out reversed "
+           "(benchmarks/results/ns_schedules.md). Use 'simple' (the default) or 'polar_express'",
+}
 DEFAULT_COEFFICIENTS = "simple"  # torch.optim.Muon's schedule; megatron's OptimizerConfig defaults to "quintic"
+
+
+def warn_if_unsafe(coefficients) -> None:
+    """Warn once per call site when a schedule is known to misbehave on the inputs this package gives it."""
+    if isinstance(coefficients, str) and coefficients.lower() in UNSAFE_AFTER_FROBENIUS:
+        import warnings
+
+        warnings.warn(f"Newton–Schulz coefficients {coefficients!r}: {UNSAFE_AFTER_FROBENIUS[coefficients.lower()]}",
+                      UserWarning, stacklevel=3)
 
 
 def _as_triple(value, where: str) -> Coefficient:

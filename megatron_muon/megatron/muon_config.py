@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megatron_muon.kernels.coefficients import COEFFICIENT_SETS, resolve_coefficients
+from megatron_muon.kernels.coefficients import COEFFICIENT_SETS, resolve_coefficients, warn_if_unsafe
 from megatron_muon.optimizer.routing import MatrixLayout, matrix_layout, tag_fused_in_proj
 
 # muon_fp32_matmul_prec → Newton–Schulz iteration dtype ("medium": the kernel's bf16/fp16 choice).
@@ -24,6 +24,7 @@ def megatron_coefficient_schedule(name: str, steps: int) -> list[tuple[float, fl
         raise ValueError(f"unknown muon_coefficient_type {name!r}; valid choices: {sorted(COEFFICIENT_SETS)}")
     if steps < 1:
         raise ValueError(f"muon_num_ns_steps must be >= 1, got {steps}")
+    warn_if_unsafe(name)
     return resolve_coefficients(name, steps)
 
 

@@ -20,6 +20,7 @@ import torch
 from torch.profiler import record_function
 
 from megatron_muon.kernels import resolve_coefficients
+from megatron_muon.kernels.coefficients import warn_if_unsafe
 from megatron_muon.kernels.newton_schulz import METHODS, work_dtype
 from megatron_muon.optimizer import fused_elementwise as fused_passes
 from megatron_muon.optimizer import fused_pieces
@@ -160,6 +161,7 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         resolve_coefficients(group["coefficients"], group["ns_steps"])  # raises listing the valid names
+        warn_if_unsafe(group["coefficients"])
         if group["method"] not in METHODS:
             raise ValueError(f"unknown method {group['method']!r}; valid choices: {METHODS}")
         muon_math.check_scale_mode(group["scale_mode"])

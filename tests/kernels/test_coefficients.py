@@ -83,3 +83,17 @@ def test_errors_name_the_fix():
         resolve_coefficients([], 2)
     with pytest.raises(ValueError, match="unknown muon_coefficient_type 'fancy'; valid choices"):
         megatron_coefficient_schedule("fancy", 5)
+
+
+def test_the_aol_schedule_warns_where_it_is_chosen():
+    from megatron_muon.optimizer import Muon
+
+    with pytest.warns(UserWarning, match="AOL-rescaled.*reversed"):
+        megatron_coefficient_schedule("aol", 4)
+    with pytest.warns(UserWarning, match="AOL-rescaled"):
+        Muon([torch.nn.Parameter(torch.randn(4, 8))], lr=0.01, coefficients="aol", ns_steps=4)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        megatron_coefficient_schedule("polar_express", 4)
