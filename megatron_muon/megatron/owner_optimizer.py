@@ -222,6 +222,9 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         clip = self.config.clip_grad
         norm = float(grad_norm)
         if not math.isfinite(norm):
+            self.join_newton_schulz()
+            for engine in self.engines:  # what the backward speculated from these gradients must not reach a step
+                engine.discard_speculation()
             raise ValueError(f"non-finite gradient norm ({norm}): a NaN or Inf gradient reached the optimizer, first in "
                              f"{_first_non_finite(model_chunks)}; no optimizer state was changed. Lower the learning "
                              "rate or skip this batch (megatron's check_for_nan_in_grad stops at the source).")

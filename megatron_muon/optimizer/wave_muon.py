@@ -133,6 +133,11 @@ class WaveMuon(Muon):
             muon_math.nesterov_into_(grad, ema, slot, group["momentum"], group["nesterov"])
         return stacked
 
+    def discard_speculation(self) -> None:
+        """Forget what was speculated for the current gradients (a step that will not run on them)."""
+        self.speculation_discarded += len(self._prepared)
+        self._prepared = {}
+
     def _usable(self, plan: Plan) -> dict[int, tuple]:
         """Prepared buckets whose gradients are still the ones speculated on (same tensors, no clip since)."""
         usable = {}

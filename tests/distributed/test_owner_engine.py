@@ -113,18 +113,23 @@ def test_muons_busiest_rank_holds_no_more_than_distributed_adamws(rank_pool_2, r
 def _nan_gradient(rank, world_size):
     from megatron_muon.testing.models import forward_backward, synthetic_batch
 
-    with one_thread():
-        model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=1.0)
+    with one_thread():  # Newton–Schulz in the backward: the NaN step has speculated updates to throw away
+        model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=0.0, ddp_overrides=OVERLAP)
+        train_step(model, optimizer, 0)  # megatron's DDP reduces its first backward's buckets only at the end
+        engines = owner_optimizers(optimizer)[0].engines
+        speculated_before = sum(e.speculated_buckets for e in engines)
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(model, [synthetic_batch(rank)])
+        forward_backward(model, [synthetic_batch(8 + 2 * rank + i, micro_batch_size=2) for i in range(2)])  # as step 0
         named = dict(model.named_parameters())  # on every rank, so the owner's reduced copy holds it
         named["module.decoder.layers.0.mlp.linear_fc2.weight"].main_grad[0, 0] = float("nan")
         before = [p.detach().clone() for p in model.parameters()]
+        speculated = sum(e.speculated_buckets for e in engines) - speculated_before
         try:
             optimizer.step()
         except ValueError as error:
-            return {"message": str(error), "unchanged": all(torch.equal(a, p) for a, p in zip(before, model.parameters()))}
+            return {"message": str(error), "unchanged": all(torch.equal(a, p) for a, p in zip(before, model.parameters())),
+                    "speculated": speculated, "left_over": sum(len(e._prepared) for e in engines)}
         return {"message": None}
 
 
@@ -132,6 +137,7 @@ def test_a_nan_gradient_stops_the_step_on_every_rank_naming_the_parameter(rank_p
     for result in rank_pool_2.run(_nan_gradient):
         assert result["message"] and "non-finite" in result["message"], result
         assert "linear_fc2" in result["message"] and result["unchanged"]
+        assert result["speculated"] > 0 and result["left_over"] == 0  # nothing speculated from NaNs waits for a step
 
 
 def _bad_layout(rank, world_size, case):
