@@ -1,7 +1,8 @@
 """Every megatron-core or torch name the plugin replaces, with why, in one list.
 
-`import megatron_muon` replaces nothing. `register()` replaces the `register` entries; `python -m
-megatron_muon.launch` (Megatron-LM scripts) adds the `launch` entries; CPU mode (`--cpu-mode`, the tiny CPU job and
+`import megatron_muon` replaces nothing. `register()` replaces the `register` entries; the GPU fast paths
+(`megatron/fast_paths.install_fast_paths`, which the training CLI and the launcher call on the optimizers they build)
+the `fast_paths` ones; `python -m megatron_muon.launch` (Megatron-LM scripts) adds the `launch` entries; CPU mode (`--cpu-mode`, the tiny CPU job and
 the CPU tests) the `cpu_mode` ones. `installed_patches()` reports those in effect in this process: a declared target
 whose current value is the plugin's. Megatron objects the plugin builds itself (its optimizers, layouts, specs) are
 classes megatron calls, not replacements, and are not listed.
@@ -18,7 +19,7 @@ from typing import NamedTuple
 class Patch(NamedTuple):
     target: str  # dotted module path, then attributes; a trailing ['key'] names a registry entry
     reason: str
-    installer: str  # "register" | "launch" | "cpu_mode"
+    installer: str  # "register" | "fast_paths" | "launch" | "cpu_mode"
 
 
 _NORM = "without TE or Apex, megatron's fallback copies every per-tensor norm to the host; ours stays on the device"
@@ -36,6 +37,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.optimizer.clip_grads.multi_tensor_scale_impl", _SCALE, "register"),
     Patch("megatron.core.optimizer.optimizer.multi_tensor_scale_impl", _SCALE, "register"),
     Patch("megatron.core.optimizer.clip_grads.multi_tensor_scale_tensor_impl", _TENSOR_SCALE, "register"),
+    *(Patch(f"megatron.core.optimizer.{module}.clip_grad_by_total_norm_fp32",
+            "the clip factor stays pending for an optimizer that applies it inside its own pass (one-pass AdamW, "
+            "Muon's momentum) instead of a multiply over every gradient; any other caller clips as megatron does",
+            "fast_paths") for module in ("clip_grads", "optimizer")),
     Patch("megatron.core.optimizer.layer_wise_optimizer.LayerWiseDistributedOptimizer.compute_full_param_layout",
           "Megatron-LM wraps DDP through it for `--optimizer muon --use-distributed-optimizer`: the owner layout",
           "launch"),

@@ -1,6 +1,7 @@
 """Run as a script: which megatron / torch names each step of the plugin's setup replaces, as JSON on stdout.
 
-Steps: `import megatron_muon` (and its packages), `register()`, the launcher's two megatron installs, CPU mode.
+Steps: `import megatron_muon` (and its packages), `register()`, the fast paths' process-wide part, the launcher's
+megatron installs and CPU mode.
 After each, every module attribute and class attribute of megatron and torch that is not the object it was before
 and now holds one of the plugin's objects is reported, with `installed_patches()` at that point."""
 
@@ -81,6 +82,12 @@ def main():
         launcher._use_prebuilt_dataset_helpers()
         launcher._enter_cpu_mode()
 
+    def fast_paths():
+        from megatron_muon.megatron import clip_deferral
+
+        clip_deferral.install()  # what install_fast_paths does once a GPU optimizer takes the deferred clip
+
+    steps.append(("fast_paths", fast_paths))
     steps.append(("launch", launch))
     report["declared_modules"] = sorted(modules)
     from megatron_muon.patches import _is_ours

@@ -30,7 +30,7 @@ def test_every_declared_target_exists_in_the_pinned_versions(patch):
         assert isinstance(emerging_optimizers._EMERGING_OPTIMIZERS, dict)
         return
     resolve(patch.target)  # raises where the name does not exist (TE's slot is None without TE, but exists)
-    assert patch.installer in ("register", "launch", "cpu_mode") and patch.reason
+    assert patch.installer in ("register", "fast_paths", "launch", "cpu_mode") and patch.reason
 
 
 def test_importing_the_package_replaces_nothing(census):
@@ -45,13 +45,21 @@ def test_register_replaces_exactly_what_installed_patches_lists(census):
     assert step["signature_mismatches"] == {}
 
 
+def test_the_fast_paths_replace_exactly_their_declared_names(census):
+    declared = {p.target: p.installer for p in PATCHES}
+    step = census["fast_paths"]
+    assert set(step["changed"]) == {t for t, i in declared.items() if i == "fast_paths"}
+    assert set(step["installed"]) == set(census["register"]["installed"]) | set(step["changed"])
+    assert step["signature_mismatches"] == {}
+
+
 def test_the_launcher_and_cpu_mode_replace_only_declared_names(census):
     declared = {p.target: p.installer for p in PATCHES}
     step = census["launch"]
-    assert set(step["installed"]) == set(census["register"]["installed"]) | set(step["changed"])
+    assert set(step["installed"]) == set(census["fast_paths"]["installed"]) | set(step["changed"])
     assert all(declared.get(target) in ("launch", "cpu_mode") for target in step["changed"])
     assert step["signature_mismatches"] == {}
-    assert {t for t, i in declared.items() if i != "register"} <= set(step["changed"])  # none declared in vain
+    assert {t for t, i in declared.items() if i in ("launch", "cpu_mode")} <= set(step["changed"])  # none in vain
 
 
 def test_installed_patches_reports_reasons_and_imports_nothing():
