@@ -1,7 +1,7 @@
 """megatron's gradient clip, deferred to optimizers that apply the factor as they read each gradient.
 
 megatron clips by multiplying every fp32 gradient by min(1, max_norm / (norm + 1e-6)) before the optimizer step: a
-read and a write of every gradient (3.0 ms on a clipped step for the hybrid-1.5B on the H200, clip_scale.md). An
+read and a write of every gradient (docs/design/optimizer_passes.md has the cost). An
 optimizer that reads each gradient once anyway (`master_adamw.OnePassAdamW`, our Muon's fused momentum pass) can
 apply the factor in registers instead. `claim` registers such an optimizer (the owner: `.pending`, the factor
 for its next step, and `.claimed`, the ids of its parameters) for a megatron mixed-precision wrapper;

@@ -1,10 +1,10 @@
 """Run megatron's torch-AdamW fallback with torch's fused kernel.
 
 Without Transformer Engine or Apex, megatron-core 0.19.2 builds `torch.optim.AdamW` (or `Adam`) with default
-arguments, i.e. the multi-tensor `foreach` path: on one H200 it took 53 ms per step for the hybrid-1.5B's fp32
-master weights, against 13 ms for `fused=True` (benchmarks/results/e2e.md, optimizer_step.md). The fused kernel
-computes the same update (torch tests both paths against each other), so switching an already-built optimizer's
-param groups to it is safe wherever torch supports fused Adam for the parameters' device and dtype.
+arguments, i.e. the multi-tensor `foreach` path, several times slower than `fused=True`
+(docs/design/optimizer_passes.md). The fused kernel computes the same update (torch tests both paths against each
+other), so switching an already-built optimizer's param groups to it is safe wherever torch supports fused Adam for
+the parameters' device and dtype.
 """
 
 from __future__ import annotations

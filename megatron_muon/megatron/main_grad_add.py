@@ -1,12 +1,12 @@
 """Gradient accumulation into megatron's fp32 `main_grad` buffers in one vectorized pass.
 
 Megatron's DDP backward hook adds each bf16 weight gradient into its fp32 `main_grad` with `Tensor.add_`. Mixed
-dtypes send that through TensorIterator's non-vectorized path: 6.45 ms per step on the H200 for the hybrid-1.5B,
-against a ~3.4 ms memory floor (benchmarks/results/e2e_profile_rung4.md). Autograd runs a parameter's
-post-accumulate-grad hooks before the hooks on its gradient accumulator, where megatron's sits, so a hook installed
-here adds first, with a Triton kernel, and sets `grad_added_to_main_grad`: the flag megatron already honours for
-kernels that accumulate into `main_grad` themselves (Transformer Engine's wgrad fusion). Megatron's hook then skips
-its add and still drops `param.grad` and signals the bucket; `zero_grad_buffer()` clears the flag every step.
+dtypes send that through TensorIterator's non-vectorized path, about twice the memory floor
+(docs/design/optimizer_passes.md). Autograd runs a parameter's post-accumulate-grad hooks before the hooks on its
+gradient accumulator, where megatron's sits, so a hook installed here adds first, with a Triton kernel, and sets
+`grad_added_to_main_grad`: the flag megatron already honours for kernels that accumulate into `main_grad` themselves
+(Transformer Engine's wgrad fusion). Megatron's hook then skips its add and still drops `param.grad` and signals the
+bucket; `zero_grad_buffer()` clears the flag every step.
 
 `install_first_grad_overwrite` goes one step further: `zero_grad_buffer()` stops zeroing the buffers, and each
 parameter's first gradient of a step overwrites its `main_grad` (a cast copy) instead of being added to zeros.

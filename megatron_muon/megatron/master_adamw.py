@@ -1,14 +1,12 @@
-"""megatron's mixed-precision AdamW step (fp32 master weights) as one Triton pass per param group: the gradient
-clip factor, the AdamW update and the 16-bit model copy together.
+"""megatron's mixed-precision AdamW step (fp32 master weights) as one Triton pass per param group: the gradient clip
+factor, the AdamW update and the 16-bit model copy together.
 
 Without Transformer Engine (whose FusedAdam writes the model copy itself) megatron-core runs three passes over the
 fp32 master weights per step: the clip multiply of every gradient, torch's fused AdamW and the copy of every master
 weight into its bf16 model parameter. Here `clip_grad_by_total_norm_fp32` leaves the clip factor on the device for
-the optimizer instead of multiplying, and one pass reads each gradient, master weight and moment once and writes
-the master weight, both moments and the model copy. On the H200 over the hybrid-1.5B's 1.48B parameters
-(benchmarks/results/master_adamw.md): 11.39 ms against 17.53 for the three passes on a clipped step and 14.49 on an
-unclipped one, where our clip kernel already moves nothing; the pass streams at 3.9 TB/s (torch's fused AdamW alone
-takes 11.92 ms). Whole blocks load and store unmasked with alignment hints: 128-bit accesses.
+the optimizer instead of multiplying, and one pass reads each gradient, master weight and moment once and writes the
+master weight, both moments and the model copy (`optimizer/one_pass_adamw.py`; measured in
+docs/design/optimizer_passes.md).
 
 The state keeps torch's layout (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are interchangeable with torch's
 AdamW. Gradients are not written back: after the step they hold the unclipped values (megatron zeroes them before

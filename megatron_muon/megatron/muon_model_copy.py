@@ -1,10 +1,10 @@
 """megatron's master-to-model copy for our Muon, written by Muon's own update pass.
 
 After each optimizer step megatron's mixed-precision wrapper copies every fp32 master weight into its bf16 model
-parameter: one more read of 4 bytes and write of 2 per element (2.5 ms per step for the hybrid-1.5B's 1.35B Muon
-parameters on the H200, e2e_profile_rung6.md). Our Muon's fused decay+update pass already holds each new master
-value in registers, so it writes the rounded copy too (2 more bytes per element) and the wrapper's copy is skipped
-for that step. Where the pass is not fused, Muon copies after its update, as the wrapper would have.
+parameter: one more read of 4 bytes and write of 2 per element (docs/design/optimizer_passes.md). Our Muon's fused
+decay+update pass already holds each new master value in registers, so it writes the rounded copy too (2 more bytes
+per element) and the wrapper's copy is skipped for that step. Where the pass is not fused, Muon copies after its
+update, as the wrapper would have.
 """
 
 from __future__ import annotations

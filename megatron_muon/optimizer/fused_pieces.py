@@ -1,14 +1,14 @@
 """`fused_elementwise`'s passes over many same-geometry pieces in ONE launch each.
 
 A Muon step runs the momentum pass and the decay+update pass once per matrix piece: about 400 Triton launches for
-the hybrid-1.5B, each costing the CPU more than the GPU needs to run it, so the GPU waits (the rung-6 profile,
-benchmarks/results/e2e_profile_rung6.md, shows ~19 ms/step more idle time than AdamW's rung). Pieces of one shape
-bucket share their geometry, so one launch can walk them on a third grid axis: each piece's grad, buffer or target
-is found by an element offset from the first piece's (a small int64 table on the device, built once per layout and
-cached), and its slot or update, which are evenly spaced in the stacked NS input or result, by a fixed stride.
+the hybrid-1.5B, each costing the CPU more than the GPU needs to run it, so the GPU waits
+(docs/design/optimizer_passes.md). Pieces of one shape bucket share their geometry, so one launch can walk them on a
+third grid axis: each piece's grad, buffer or target is found by an element offset from the first piece's (a small
+int64 table on the device, built once per layout and cached), and its slot or update, which are evenly spaced in the
+stacked NS input or result, by a fixed stride.
 
-Same kernels, same rounding as the per-piece passes. Returns False without touching anything when the pieces do
-not qualify (other geometry, strides or dtypes, not consecutive, no Triton); callers then go piece by piece.
+Same kernels, same rounding as the per-piece passes. Returns False without touching anything when the pieces do not
+qualify (other geometry, strides or dtypes, not consecutive, no Triton); callers then go piece by piece.
 """
 
 from __future__ import annotations
