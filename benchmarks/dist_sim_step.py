@@ -244,17 +244,17 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
                  f"{plan['rank_share']:.2f} of {plan['busiest_predicted_ms']:.1f} ms" if plan else "-",
                  f"{row['optimizer_state_gib']:.2f}", "-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += repeat_summary(rows)
+    lines += repeat_summary(rows, adam)
     write_table_and_rows(path, lines, meta, rows)
 
 
-def repeat_summary(rows: list[dict]) -> list[str]:
+def repeat_summary(rows: list[dict], adam: dict[int, dict]) -> list[str]:
     """Where a variant ran more than once at one W (`--variants adam,ours,ours`): the mean, lowest and highest of
-    its step-time ratios to the same process's AdamW step, so a difference can be read against the spread."""
-    adam = [row for row in rows if row["variant"] == "adam" and "step_ms" in row]
+    its step-time ratios to the AdamW step the table uses (`adam`: world -> row), so a difference can be read
+    against the spread."""
     groups: dict[tuple, list[float]] = {}
     for row in rows:
-        base = next((a for a in adam if a["world"] == row["world"]), None)
+        base = adam.get(row["world"])
         if "step_ms" in row and base is not None:
             groups.setdefault((row["world"], row["variant"]), []).append(row["step_ms"] / base["step_ms"])
     if not any(len(ratios) > 1 for ratios in groups.values()):

@@ -1,11 +1,11 @@
 """Every megatron-core or torch name the plugin replaces, with why, in one list.
 
 `import megatron_muon` replaces nothing. `register()` replaces the `register` entries; the GPU fast paths
-(`megatron/fast_paths.install_fast_paths`, which the training CLI and the launcher call on the optimizers they build)
-the `fast_paths` ones; `python -m megatron_muon.launch` (Megatron-LM scripts) adds the `launch` entries; CPU mode (`--cpu-mode`, the tiny CPU job and
-the CPU tests) the `cpu_mode` ones. `installed_patches()` reports those in effect in this process: a declared target
-whose current value is the plugin's. Megatron objects the plugin builds itself (its optimizers, layouts, specs) are
-classes megatron calls, not replacements, and are not listed.
+(`megatron/fast_paths.install_fast_paths`, which the training CLI and the launcher call on the optimizers they
+build) the `fast_paths` ones; `python -m megatron_muon.launch` (Megatron-LM scripts) adds the `launch` entries; CPU
+mode (`--cpu-mode`, the tiny CPU job and the CPU tests) the `cpu_mode` ones. `installed_patches()` reports those in
+effect in this process: a declared target whose current value is the plugin's. Megatron objects the plugin builds
+itself (its optimizers, layouts, specs) are classes megatron calls, not replacements, and are not listed.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ from typing import Callable, Mapping, Protocol
 
 import numpy as np
 
+from megatron_muon.kernels.coefficients import DEFAULT_COEFFICIENTS
+
 Shape = tuple[int, int]
 
 
@@ -24,7 +26,7 @@ class CostModel(Protocol):
     def matrix_cost(self, shape: Shape) -> float: ...
 
 
-def newton_schulz_flops(shape: Shape, steps: int = 5, method: str = "auto", coefficients="simple") -> float:
+def newton_schulz_flops(shape: Shape, steps: int = 5, method: str = "auto", coefficients=DEFAULT_COEFFICIENTS) -> float:
     """FLOPs the orthogonalize engine spends on one matrix (megatron_muon.kernels.flops: the same method rule and
     the coefficient schedule's restarts)."""
     from megatron_muon.kernels.flops import flops
@@ -40,7 +42,7 @@ class AnalyticCost:
     launch_s: float = 50e-6
     steps: int = 5
     method: str = "auto"
-    coefficients: str | tuple = "simple"  # a name or a tuple of (a, b, c): it sets the Gram restarts
+    coefficients: str | tuple = DEFAULT_COEFFICIENTS  # a name or a tuple of (a, b, c): it sets the Gram restarts
     flops_fn: Callable[..., float] = newton_schulz_flops
 
     def launch_cost(self, shape: Shape) -> float:

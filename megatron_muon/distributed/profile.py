@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 
 from megatron_muon.distributed.plan import MeasuredCost, Shape
+from megatron_muon.kernels.coefficients import DEFAULT_COEFFICIENTS
 from megatron_muon.optimizer import muon_math
 
 
@@ -51,7 +52,7 @@ def profile_cost_table(
         raise ValueError("batches needs two or more distinct sizes >= 1 to fit launch + per-matrix cost, "
                          f"got {batches}")
     device = torch.device(device) if device is not None else torch.device("cpu")
-    settings = dict(ns_steps=5, coefficients="simple")
+    settings = dict(ns_steps=5, coefficients=DEFAULT_COEFFICIENTS)
     settings.update(ns_settings)
     generator = torch.Generator(device=device).manual_seed(0)
     table = {}

@@ -5,11 +5,11 @@ Kept apart from `ops.py` so the kernels import the interface and the interface n
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from megatron_muon.kernels.ops import TorchOps
+from megatron_muon.kernels.triton_math import INTERPRETING
 
 
 def triton_supported(device: torch.device) -> bool:
@@ -32,7 +32,7 @@ def select_ops(device: torch.device, backend: str = "auto"):
         raise ValueError(f"unknown backend {backend!r}; valid: {BACKENDS}")
     if backend == "torch" or (backend == "auto" and not triton_supported(device)):
         return TorchOps
-    if backend == "triton" and device.type != "cuda" and not _interpreting():
+    if backend == "triton" and device.type != "cuda" and not INTERPRETING:
         raise ValueError(
             "backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU debugging); use backend='torch'"
         )
@@ -40,6 +40,3 @@ def select_ops(device: torch.device, backend: str = "auto"):
 
     return TritonOps
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megatron_muon.kernels.coefficients import DEFAULT_COEFFICIENTS
+
 
 def _gemm(rows: int, cols: int, inner: int, symmetric: bool) -> int:
     full = 2 * rows * cols * inner
@@ -18,7 +20,7 @@ def flops(
     batch: int = 1,
     *,
     restarts: Sequence[int] | None = None,
-    coefficients="simple",
+    coefficients=DEFAULT_COEFFICIENTS,
     symmetric: bool = False,
 ) -> int:
     """FLOPs of `method` ('standard' | 'gram' | 'auto') on `batch` matrices of shape m×n.

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_muon.kernels.coefficients import Coefficient, resolve_coefficients
+from megatron_muon.kernels.coefficients import DEFAULT_COEFFICIENTS, Coefficient, resolve_coefficients
 from megatron_muon.kernels.backends import select_ops
 
 METHODS = ("standard", "gram", "auto")
@@ -168,7 +168,7 @@ def _check_inputs(G: torch.Tensor, method: str, eps: float, restarts) -> None:
 def orthogonalize(
     G: torch.Tensor,
     steps: int = 5,
-    coefficients="simple",
+    coefficients=DEFAULT_COEFFICIENTS,
     method: str = "auto",
     eps: float = 1e-7,
     *,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_muon.kernels.coefficients import resolve_coefficients
+from megatron_muon.kernels.coefficients import DEFAULT_COEFFICIENTS, resolve_coefficients
 
 
 def _normalized_fp64(G: torch.Tensor, eps: float) -> tuple[torch.Tensor, bool]:
@@ -25,7 +25,7 @@ def _normalized_fp64(G: torch.Tensor, eps: float) -> tuple[torch.Tensor, bool]:
 
 
 def newton_schulz_reference(
-    G: torch.Tensor, steps: int = 5, coefficients="simple", eps: float = 1e-7
+    G: torch.Tensor, steps: int = 5, coefficients=DEFAULT_COEFFICIENTS, eps: float = 1e-7
 ) -> torch.Tensor:
     """Standard NS in fp64: X ← a·X + (b·A + c·A²)·X with A = X·Xᵀ. Returns fp64, same shape as G."""
     schedule = resolve_coefficients(coefficients, steps)
@@ -39,7 +39,7 @@ def newton_schulz_reference(
 def gram_newton_schulz_reference(
     G: torch.Tensor,
     steps: int = 5,
-    coefficients="simple",
+    coefficients=DEFAULT_COEFFICIENTS,
     restarts: Sequence[int] = (2,),
     eps: float = 1e-7,
 ) -> torch.Tensor:
@@ -72,7 +72,7 @@ def polar_factor_svd(G: torch.Tensor) -> torch.Tensor:
     return U @ Vh
 
 
-def singular_value_map(sigma: torch.Tensor, steps: int = 5, coefficients="simple") -> torch.Tensor:
+def singular_value_map(sigma: torch.Tensor, steps: int = 5, coefficients=DEFAULT_COEFFICIENTS) -> torch.Tensor:
     """Where NS sends each normalized singular value: s ← a·s + b·s³ + c·s⁵ per iteration, in fp64."""
     s = sigma.to(torch.float64)
     for a, b, c in resolve_coefficients(coefficients, steps):

@@ -15,7 +15,6 @@ On Hopper, `TritonOps.sym_mm` prefers the warp-specialized Gluon kernel (`symmet
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 import triton
@@ -24,6 +23,7 @@ import triton.language as tl
 from megatron_muon.kernels import scaled_copy as scaled_copy_kernel
 from megatron_muon.kernels import symmetric_ws
 from megatron_muon.kernels.ops import TorchOps, sm_count
+from megatron_muon.kernels.triton_math import INTERPRETING
 
 
 @triton.jit
@@ -209,13 +209,10 @@ _INTERPRET_CONFIG = {"BLOCK": 16, "BLOCK_K": 16}
 _INTERPRET_SMS = 3  # persistent programs under the interpreter: each loops over several tiles
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """TMA needs an sm90+ GPU (or the interpreter), a contiguous inner dim, 16-byte aligned bases and strides."""
-    if not (_interpreting() or (tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9)):
+    if not (INTERPRETING or (tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9)):
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
@@ -251,7 +248,7 @@ def symmetric_matmul(A, B, C=None, alpha: float = 1.0, beta: float = 0.0, tma: b
     if persistent and tma is False:
         raise ValueError("persistent=True runs the TMA kernel; drop tma=False")
     loads = "pointer" if tma is False or not ready else ("persistent" if persistent else "tma" if tma else "any")
-    block, block_k = (16, 16) if _interpreting() else (TMA_BLOCK, TMA_BLOCK_K)
+    block, block_k = (16, 16) if INTERPRETING else (TMA_BLOCK, TMA_BLOCK_K)
     a_desc = b_desc = c_desc = o_desc = None
     if loads != "pointer":
         a_desc = _descriptor(A, block, block_k)
@@ -264,7 +261,7 @@ def symmetric_matmul(A, B, C=None, alpha: float = 1.0, beta: float = 0.0, tma: b
         *A.stride(), *B.stride(), *c.stride(), *out.stride(),
         float(alpha), float(beta),
     )  # fmt: skip
-    if _interpreting():
+    if INTERPRETING:
         meta = {**_INTERPRET_CONFIG, "USE_TMA": loads in ("tma", "persistent"), "PERSISTENT": loads == "persistent"}
         _sym_mm_heuristic[_grid(m, batch, meta, _INTERPRET_SMS)](*args, HAS_C=has_c, LOADS=loads,
                                                                 NUM_SMS=_INTERPRET_SMS, **meta)
@@ -318,10 +315,10 @@ class TritonOps:
     @staticmethod
     def sym_mm(A, B, C=None, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
         # fp64 goes to cuBLAS too: the kernel accumulates in fp32, which would quietly end an fp64 iteration.
-        if A.dtype == torch.float64 or (A.size(-2) < MIN_TRITON_ROWS and not _interpreting()):
+        if A.dtype == torch.float64 or (A.size(-2) < MIN_TRITON_ROWS and not INTERPRETING):
             return TorchOps.sym_mm(A, B, C, alpha, beta)
         C = C if beta != 0.0 else None
-        if not _interpreting() and symmetric_ws.ready(A, B, C):  # the Hopper warp-specialized kernel
+        if not INTERPRETING and symmetric_ws.ready(A, B, C):  # the Hopper warp-specialized kernel
             try:
                 return symmetric_ws.symmetric_matmul_ws(A, B, C, alpha, beta)
             except symmetric_ws.FRONTEND_ERRORS as error:  # a Gluon API this kernel does not match

@@ -12,9 +12,9 @@ of the same design was not faster: 0.130 against 0.122 ms), as do packed sequenc
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from megatron_muon.kernels.triton_math import INTERPRETING as _INTERPRETING
 
 try:
     import triton
@@ -22,7 +22,6 @@ try:
 except ImportError:  # the caller keeps FLA's kernel
     triton = None
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRETER_TILE = {"BT": 16, "BD": 16}
 
 

@@ -19,9 +19,9 @@ hybrid-1.5B shape it takes 0.68× FLA's call (TileLang there) and moves its byte
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from megatron_muon.kernels.triton_math import INTERPRETING as _INTERPRETING
 
 try:
     import triton
@@ -29,7 +29,6 @@ try:
 except ImportError:  # the caller keeps FLA's kernel
     triton = None
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
 MIN_KEY_BLOCK = 64
 # (key block, value block, warps, stages); the autotuner picks one on the first call per shape. Each compiles for

@@ -23,9 +23,9 @@ take these calls on sm90 (0.57-0.60x these kernels' time); MEGATRON_MUON_GDN_KER
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from megatron_muon.kernels.triton_math import INTERPRETING as _INTERPRETING
 
 try:
     import triton
@@ -33,7 +33,6 @@ try:
 except ImportError:  # the caller keeps FLA's kernels
     triton = None
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
 KEY_SLICE = 64  # the kernels keep the state in [BV, 64] key slices (key dims 64, 128 or 256)
 

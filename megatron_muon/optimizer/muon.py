@@ -20,7 +20,7 @@ import torch
 from torch.profiler import record_function
 
 from megatron_muon.kernels import resolve_coefficients
-from megatron_muon.kernels.coefficients import warn_if_unsafe
+from megatron_muon.kernels.coefficients import DEFAULT_COEFFICIENTS, warn_if_unsafe
 from megatron_muon.kernels.newton_schulz import METHODS, work_dtype
 from megatron_muon.optimizer import fused_elementwise as fused_passes
 from megatron_muon.optimizer import fused_pieces
@@ -106,7 +106,7 @@ class Muon(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         *,
         ns_steps: int = 5,
-        coefficients="simple",
+        coefficients=DEFAULT_COEFFICIENTS,
         method: str = "auto",
         eps: float = 1e-7,
         scale_mode: str = "match_rms_adamw",

@@ -85,7 +85,7 @@ class WaveMuon(Muon):
             matrices, self.orthogonalized_matrices = self.orthogonalized_matrices - before, before
             return prepared, matrices  # counted once per call below, replayed or not
 
-        if graphed and buckets and self._graphable(plan, buckets, grads):
+        if graphed and buckets and self.graphs.disabled is None and self._graphable(plan, buckets, grads):
             prepared, matrices = self.graphs.run(wave, self._graph_key(plan, buckets, grads), eager)
         else:
             prepared, matrices = eager()
