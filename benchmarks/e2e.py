@@ -32,7 +32,7 @@ from bench_env import package_versions  # noqa: E402
 from e2e_report import write_profile, write_report  # noqa: E402
 from e2e_rungs import Rung, build_upstream_model, parse_rungs  # noqa: E402
 
-from megatron_muon.ops.fla_backend import KERNELS_ENV_VAR as GDN_KERNELS_ENV_VAR  # noqa: E402
+from megatron_muon.ops.kernel_choice import set_gdn_kernels  # noqa: E402
 
 
 def _sync() -> None:
@@ -141,7 +141,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     on_gpu = ctx.device.type == "cuda"
     start = time.perf_counter()
     model = optimizer = None
-    os.environ[GDN_KERNELS_ENV_VAR] = rung.gdn_kernels  # read by the GDN ops at every call
+    set_gdn_kernels(rung.gdn_kernels)
     try:
         model, optimizer, _ = build_rung(recipe, rung, on_gpu)
         train = recipe.training

@@ -45,30 +45,28 @@ def sdpa_backends(query: torch.Tensor) -> list:
     return _FULL_PRECISION_GPU
 
 
-def force_te_fused_attention(config) -> None:
-    """Make TE's DotProductAttention use only its fused (cuDNN) backend; TE reads these variables at first call.
+def require_te_fused_attention(config) -> None:
+    """Check that TE's DotProductAttention can only pick its fused (cuDNN) backend; TE reads NVTE_*_ATTN per call.
 
-    With `attention_backend=auto` the config is switched to `fused`, so megatron's own environment check agrees
-    when it builds the next model chunk from the same config. Any other explicit backend is a contradiction.
+    Megatron's model exports those variables from `config.attention_backend` before it builds its layers
+    (`build_hybrid_model` turns `auto` into `fused` for the TE spec first), so a fused config finds them set; the
+    plugin itself writes none.
     """
-    if config.attention_backend == AttnBackend.auto:  # megatron set every NVTE_*_ATTN to 1 for auto: narrow it
-        config.attention_backend = AttnBackend.fused
-        os.environ.update(TE_FUSED_ATTENTION_ENV)
-        return
     if config.attention_backend != AttnBackend.fused:
         raise ValueError(
             f"The TE hybrid spec pins attention to TE's fused (cuDNN) backend, but attention_backend is "
-            f"{config.attention_backend.name}; pass `--attention-backend fused` (or auto), or use the local spec."
+            f"{config.attention_backend.name}; pass `--attention-backend fused` (build_hybrid_model chooses it for "
+            f"auto), or use the local spec."
         )
-    conflicts = {
-        name: os.environ[name] for name, value in TE_FUSED_ATTENTION_ENV.items() if os.environ.get(name, value) != value
-    }
+    conflicts = {name: os.environ.get(name, "unset") for name, value in TE_FUSED_ATTENTION_ENV.items()
+                 if os.environ.get(name) != value}
     if conflicts:
+        required = " ".join(f"{name}={value}" for name, value in TE_FUSED_ATTENTION_ENV.items())
         raise ValueError(
-            f"attention_backend is fused but the environment says {conflicts}; unset NVTE_FLASH_ATTN, "
-            f"NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN and let megatron set them."
+            f"attention_backend is fused but the environment says {conflicts}; megatron's model exports "
+            f"{required} for attention_backend=fused when it is built: unset NVTE_FLASH_ATTN, NVTE_FUSED_ATTN and "
+            f"NVTE_UNFUSED_ATTN and build the core attention inside the model (or export those values yourself)."
         )
-    os.environ.update(TE_FUSED_ATTENTION_ENV)
 
 
 if HAVE_TE:
@@ -79,7 +77,7 @@ if HAVE_TE:
         required_environment = TE_FUSED_ATTENTION_ENV
 
         def __init__(self, config, *args, **kwargs):
-            force_te_fused_attention(config)
+            require_te_fused_attention(config)
             super().__init__(config, *args, **kwargs)
 
 else:

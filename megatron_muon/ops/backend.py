@@ -22,6 +22,8 @@ from importlib import metadata
 import torch
 from packaging.version import Version
 
+from megatron_muon.ops.kernel_choice import KERNELS_ENV_VAR, gdn_kernels
+
 BACKENDS = ("fla-triton", "fla-tilelang", "torch")
 BACKEND_ENV_VAR = "MEGATRON_MUON_GDN_BACKEND"
 _FIXED_TRITON = Version("3.7.1")
@@ -113,22 +115,25 @@ def _choose(hw: Hardware) -> str:
         return "fla-tilelang"
     if not hw.fla_triton_correct:
         from megatron_muon.ops.dqkwg import COVERAGE
-        from megatron_muon.ops.fla_backend import KERNELS_ENV_VAR, ours_enabled
 
-        if not ours_enabled():
+        if gdn_kernels().output_grads != "ours":
             raise RuntimeError(
                 f"FLA's Triton GDN backward is known to be wrong on {hw.device_name} (Hopper) with Triton "
-                f"{hw.triton_version} (fixed in Triton 3.7.1; FLA issue #640), and {KERNELS_ENV_VAR}=fla keeps it "
-                "in place of ours. Unset it, or " + _tilelang_missing_message(hw)
+                f"{hw.triton_version} (fixed in Triton 3.7.1; FLA issue #640), and the GDN kernel choice "
+                f"({KERNELS_ENV_VAR} or model.gdn_kernels: {gdn_kernels()}) keeps it in place of ours. Choose \"ours\" "
+                "or \"triton\", or " + _tilelang_missing_message(hw)
             )
         _logger.warning(
             "megatron_muon GDN ops: FLA's Triton backward miscompiles one kernel on %s with Triton %s (FLA issue "
             "#640); ours replaces it for %s. Packed sequences (cu_seqlens) and other shapes still need TileLang "
             "(`pip install tilelang==0.1.15`) or Triton >= 3.7.1; FLA stops them with that message.",
             hw.device_name, hw.triton_version, COVERAGE)
-    if tilelang:
-        # FLA would route the backward to TileLang on its own; the user asked for Triton explicitly.
-        os.environ["FLA_TILELANG"] = "0"
+    if tilelang:  # FLA would route the backward to TileLang on its own (it reads FLA_TILELANG at every call)
+        raise ValueError(
+            "The fla-triton GDN backend was requested, but FLA sends its gated backward to TileLang whenever TileLang is "
+            "installed; set FLA_TILELANG=0 in the job's environment as well (FLA reads it itself), or ask for "
+            "auto / fla-tilelang."
+        )
     return "fla-triton"
 
 

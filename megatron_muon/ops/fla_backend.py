@@ -4,22 +4,20 @@ We call FLA's kernel launchers directly (not its autograd.Functions, which are w
 ``torch.compiler.disable``) so that our custom ops own autograd and the compiled graph never breaks, and so the
 forward can hand its chunk states to the backward instead of recomputing them. FLA's own
 dispatch picks TileLang for the gated backward on Hopper when the fla-tilelang backend was selected.
-On Hopper, where the inputs qualify, three of those kernels are ours instead (`ours_enabled`): the chunk-state
-recurrences (warp-specialized Gluon kernels, `state_ws`, where they apply; else the Triton ones, `state_tma`) and the
-chunk output gradients (`dqkwg`). MEGATRON_MUON_GDN_KERNELS=triton keeps the Triton state kernels, =fla FLA's.
+On Hopper, where the inputs qualify, three of those kernels are ours instead, as `ops/kernel_choice` chooses per
+stage: the chunk-state recurrences (warp-specialized Gluon kernels, `state_ws`, where they apply; else the Triton
+ones, `state_tma`) and the chunk output gradients (`dqkwg`).
 Imports are lazy: this module is only touched when a CUDA op runs with an FLA backend.
 """
 
 import functools
-import os
 
 import torch
 
 from megatron_muon.ops import dqkwg, state_tma, state_ws
+from megatron_muon.ops.kernel_choice import gdn_kernels
 
 CHUNK_SIZE = 64
-KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
-KERNEL_CHOICES = ("ours", "triton", "fla")
 # Recurrent state stored [V, K] inside the kernels (FLA's own layers run this way, so both share kernels and autotune
 # entries); our API keeps [N, HV, K, V] and transposes the few [N, HV, ., .] boundary states.
 STATE_V_FIRST = True
@@ -80,24 +78,10 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     return o.to(v.dtype), final_state.float(), g_cumsum.float(), a_inverse.to(k.dtype), w, h, v_new
 
 
-def kernel_choice() -> str:
-    """MEGATRON_MUON_GDN_KERNELS: "ours" (the default), "triton" (ours, with the Triton state kernels) or "fla"."""
-    choice = os.environ.get(KERNELS_ENV_VAR, "ours")
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNELS_ENV_VAR}={choice!r}; valid choices: {KERNEL_CHOICES}")
-    return choice
-
-
-def ours_enabled() -> bool:
-    """Whether GDN's chunk ops run our kernels where they qualify: the default; MEGATRON_MUON_GDN_KERNELS=fla keeps
-    FLA's everywhere."""
-    return kernel_choice() != "fla"
-
-
 def _state_kernel(name: str, key_side: list, value_side: list, *args, **kwargs):
     """`state_ws.<name>` where the Gluon kernels apply (a front end that rejects them hands every later call to the
     Triton kernels, with one warning), else `state_tma.<name>`."""
-    if kernel_choice() == "ours" and state_ws.ready(key_side, value_side):
+    if gdn_kernels().states == "gluon" and state_ws.ready(key_side, value_side):
         try:
             return getattr(state_ws, name)(*args, **kwargs)
         except state_ws.FRONTEND_ERRORS as error:  # raised while compiling, before anything ran
@@ -107,14 +91,14 @@ def _state_kernel(name: str, key_side: list, value_side: list, *args, **kwargs):
 
 def _on_state_tma(key_side, value_side, g_cumsum, cu_seqlens) -> bool:
     """Whether the chunk-state recurrences run on our TMA kernels for these inputs."""
-    return STATE_V_FIRST and ours_enabled() and state_tma.qualifies(key_side, value_side, g_cumsum, cu_seqlens,
-                                                                     CHUNK_SIZE)
+    return STATE_V_FIRST and gdn_kernels().states != "fla" and state_tma.qualifies(
+        key_side, value_side, g_cumsum, cu_seqlens, CHUNK_SIZE)
 
 
 def _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens) -> bool:
     """Whether the chunk output gradients run on our kernel for these inputs."""
-    return STATE_V_FIRST and ours_enabled() and dqkwg.qualifies(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens,
-                                                                 CHUNK_SIZE)
+    return STATE_V_FIRST and gdn_kernels().output_grads == "ours" and dqkwg.qualifies(
+        q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens, CHUNK_SIZE)
 
 
 def _forward_states(k, w, u, g_cumsum, initial_state, output_final_state, cu_seqlens, chunk_indices):

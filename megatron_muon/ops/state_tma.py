@@ -18,7 +18,7 @@ takes 0.74–0.76× FLA's autotuned kernel and the forward the same time (benchm
 Rounding differs from FLA's in one place: the backward's gate 2^g multiplies do (a [BT, BV] tile) instead of q, and
 that product runs in the input dtype rather than tf32. Dense equal-length batches with one value head per key head;
 everything else stays on FLA (`qualifies`). Where Triton has Gluon, the warp-specialized kernels of `state_ws.py`
-take these calls on sm90 (0.57-0.60x these kernels' time); MEGATRON_MUON_GDN_KERNELS=triton keeps these, =fla FLA's.
+take these calls on sm90 (docs/components.md); `ops/kernel_choice` picks between them and FLA's.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from megatron_muon.ops.kernel_choice import set_gdn_kernels
 from megatron_muon.training.config import Recipe, RecipeError
 from megatron_muon.training.validation import full_layer_pattern, kv_channels
 
@@ -79,6 +80,8 @@ def build_model(recipe: Recipe, config):
 
     model = recipe.model
     backend = spec_backend(recipe)
+    if model.gdn_kernels is not None:
+        set_gdn_kernels(model.gdn_kernels)
     if model.kind == "gpt":
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import (

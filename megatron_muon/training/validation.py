@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_muon.metrics.flops import LAYER_SYMBOLS, ModelShape
+from megatron_muon.ops.kernel_choice import KERNEL_CHOICES
 from megatron_muon.training.config import Recipe, RecipeError
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -75,6 +76,8 @@ def _validate_model(recipe: Recipe) -> None:
     model, tp = recipe.model, recipe.parallel.tensor_model_parallel_size
     _one_of("model.kind", model.kind, MODEL_KINDS)
     _one_of("model.spec_backend", model.spec_backend, SPEC_BACKENDS)
+    if model.gdn_kernels is not None:
+        _one_of("model.gdn_kernels", model.gdn_kernels, KERNEL_CHOICES)
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "vocab_size", "seq_length"):
         _require(getattr(model, key) > 0, f"'model.{key}' must be positive, got {getattr(model, key)}.")

@@ -13,7 +13,7 @@ from megatron_muon.layers.attention import (
     TE_FUSED_ATTENTION_ENV,
     TEFusedDotProductAttention,
     classify_attention_events,
-    force_te_fused_attention,
+    require_te_fused_attention,
 )
 
 SEQ, BATCH, HEADS, GROUPS, HEAD_DIM = 24, 2, 4, 2, 16
@@ -96,21 +96,38 @@ def test_mixed_or_missing_attention_is_not_reported_as_one_backend():
         classify_attention_events(["flash_fwd_kernel", "fmha_cutlassF_f16"]).only
 
 
-def test_force_te_fused_attention_narrows_auto(monkeypatch):
+def _clear_te_attention_environment(monkeypatch):
     for name in TE_FUSED_ATTENTION_ENV:
-        monkeypatch.setenv(name, "1")  # what megatron exports for attention_backend=auto
-    config = SimpleNamespace(attention_backend=AttnBackend.auto)
-    force_te_fused_attention(config)
-    assert config.attention_backend == AttnBackend.fused
+        monkeypatch.setenv(name, "")  # recorded, so whatever megatron exports below is undone after the test
+        monkeypatch.delenv(name)
+
+
+def test_te_fused_attention_accepts_what_megatron_exports_for_fused(monkeypatch):
+    """Megatron's model exports NVTE_*_ATTN from attention_backend before it builds layers; fused passes the check
+    and the check itself writes nothing."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    _clear_te_attention_environment(monkeypatch)
+    config = SimpleNamespace(attention_backend=AttnBackend.fused, flash_attention_version=None)
+    LanguageModule._set_attention_backend(SimpleNamespace(config=config))
+    before = dict(os.environ)
+    require_te_fused_attention(config)
+    assert dict(os.environ) == before
     assert {name: os.environ[name] for name in TE_FUSED_ATTENTION_ENV} == TE_FUSED_ATTENTION_ENV
 
 
-def test_force_te_fused_attention_rejects_contradictions(monkeypatch):
-    with pytest.raises(ValueError, match="--attention-backend fused"):
-        force_te_fused_attention(SimpleNamespace(attention_backend=AttnBackend.flash))
+def test_te_fused_attention_refuses_auto_and_contradictions(monkeypatch):
+    _clear_te_attention_environment(monkeypatch)
+    for backend in (AttnBackend.auto, AttnBackend.flash):
+        with pytest.raises(ValueError, match="--attention-backend fused"):
+            require_te_fused_attention(SimpleNamespace(attention_backend=backend))
+    with pytest.raises(ValueError, match="'NVTE_FUSED_ATTN': 'unset'"):  # built outside a megatron model
+        require_te_fused_attention(SimpleNamespace(attention_backend=AttnBackend.fused))
+    for name, value in TE_FUSED_ATTENTION_ENV.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     with pytest.raises(ValueError, match="NVTE_FUSED_ATTN"):
-        force_te_fused_attention(SimpleNamespace(attention_backend=AttnBackend.fused))
+        require_te_fused_attention(SimpleNamespace(attention_backend=AttnBackend.fused))
 
 
 @pytest.mark.skipif(HAVE_TE, reason="checks the message shown when Transformer Engine is missing")

@@ -5,7 +5,7 @@ from importlib import metadata
 import pytest
 from packaging.version import Version
 
-from megatron_muon.ops import backend, fla_backend
+from megatron_muon.ops import backend, kernel_choice
 from megatron_muon.ops.backend import Hardware
 
 
@@ -16,8 +16,8 @@ def _hw(capability, triton):
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     monkeypatch.delenv(backend.BACKEND_ENV_VAR, raising=False)
-    monkeypatch.setenv("FLA_TILELANG", "")  # recorded, so what _choose writes there is undone after the test
-    monkeypatch.delenv("FLA_TILELANG")
+    monkeypatch.delenv(kernel_choice.KERNELS_ENV_VAR, raising=False)
+    monkeypatch.setattr(kernel_choice, "_chosen", None)
     monkeypatch.setattr(backend, "_require_fla", lambda hw: None)
     monkeypatch.setattr(backend, "_selected", None)
     monkeypatch.setattr(backend, "_requested", None)
@@ -45,7 +45,6 @@ def test_hopper_with_miscompiling_triton_and_no_tilelang_runs_triton_with_our_ke
     """Our output-gradient kernel replaces the miscompiled one, so dense batches need no TileLang; the warning
     says what packed sequences still need."""
     _tilelang(monkeypatch, False)
-    monkeypatch.delenv(fla_backend.KERNELS_ENV_VAR, raising=False)
     with caplog.at_level("WARNING", logger=backend.__name__):
         assert backend._choose(_hw((9, 0), "3.6.0")) == "fla-triton"
     assert "pip install tilelang" in caplog.text and "Packed sequences" in caplog.text
@@ -53,19 +52,20 @@ def test_hopper_with_miscompiling_triton_and_no_tilelang_runs_triton_with_our_ke
 
 def test_hopper_with_miscompiling_triton_without_our_kernels_says_what_to_install(monkeypatch):
     _tilelang(monkeypatch, False)
-    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fla")
-    with pytest.raises(RuntimeError, match=r"3\.7\.1.*MEGATRON_MUON_GDN_KERNELS=fla.*pip install tilelang") as info:
+    monkeypatch.setenv(kernel_choice.KERNELS_ENV_VAR, "fla")
+    with pytest.raises(RuntimeError, match=r"3\.7\.1.*MEGATRON_MUON_GDN_KERNELS.*states='fla'.*pip install tilelang") \
+            as info:
         backend._choose(_hw((9, 0), "3.6.0"))
     assert f"{backend.BACKEND_ENV_VAR}=torch" in str(info.value)
 
 
 def test_forcing_triton_where_it_is_known_wrong_raises_without_our_kernels(monkeypatch):
-    _tilelang(monkeypatch, True)
+    _tilelang(monkeypatch, False)  # TileLang absent, or turned off with FLA_TILELANG=0
     monkeypatch.setenv(backend.BACKEND_ENV_VAR, "fla-triton")
-    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fla")
+    kernel_choice.set_gdn_kernels("fla")
     with pytest.raises(RuntimeError, match="known to be wrong"):
         backend._choose(_hw((9, 0), "3.6.0"))
-    monkeypatch.delenv(fla_backend.KERNELS_ENV_VAR)
+    kernel_choice.set_gdn_kernels(kernel_choice.GdnKernels(states="fla", output_grads="ours"))  # ours replaces it
     assert backend._choose(_hw((9, 0), "3.6.0")) == "fla-triton"
 
 
@@ -76,13 +76,18 @@ def test_triton_where_it_is_correct(monkeypatch, capability, triton):
     assert backend._choose(_hw(capability, triton)) == "fla-triton"
 
 
-def test_forced_triton_disables_flas_own_tilelang_routing(monkeypatch):
-    _tilelang(monkeypatch, True)
-    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "fla-triton")
-    assert backend._choose(_hw((9, 0), "3.7.1")) == "fla-triton"
+def test_forced_triton_while_fla_routes_to_tilelang_says_how_to_turn_that_off(monkeypatch):
+    """FLA reads FLA_TILELANG itself at every call; the plugin writes no environment, so it names the setting."""
     import os
 
-    assert os.environ["FLA_TILELANG"] == "0"
+    _tilelang(monkeypatch, True)
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "fla-triton")
+    before = dict(os.environ)
+    with pytest.raises(ValueError, match="FLA_TILELANG=0"):
+        backend._choose(_hw((9, 0), "3.7.1"))
+    assert dict(os.environ) == before
+    _tilelang(monkeypatch, False)  # what FLA_TILELANG=0 makes FLA's own switch say
+    assert backend._choose(_hw((9, 0), "3.7.1")) == "fla-triton"
 
 
 def test_forced_tilelang_without_tilelang_raises(monkeypatch):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_muon.ops import dqkwg, fla_backend, state_tma, state_ws
+from megatron_muon.ops import dqkwg, kernel_choice, state_tma, state_ws
 from tests.interpreter import run_under_interpreter
 
 OUR_KERNELS = [(state_ws, "chunk_fwd_h"), (state_ws, "chunk_dhu"), (state_tma, "chunk_fwd_h"),
@@ -142,7 +142,7 @@ def test_gdn_op_on_our_kernels_matches_the_torch_backend(monkeypatch, seq_len, k
     for choice, states in (("ours", "state_ws" if state_ws.SWITCH.available() else "state_tma"),
                            ("triton", "state_tma")):
         calls.clear()
-        monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, choice)
+        monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels.named(choice))
         test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, with_state, False)
         assert set(calls) == {f"{states}.chunk_fwd_h", f"{states}.chunk_dhu", "dqkwg.chunk_dqkwg"}, choice
 
@@ -156,24 +156,35 @@ def test_gdn_op_keeps_flas_kernels_when_asked(monkeypatch):
     calls = []
     for module, name in OUR_KERNELS:
         monkeypatch.setattr(module, name, lambda *a, _n=name, **kw: calls.append(_n))
-    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fla")
+    monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels.named("fla"))
     test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, 1008, True, True, False)
     assert calls == []
 
 
-def test_the_default_kernel_choice_is_ours(monkeypatch):
-    monkeypatch.delenv(fla_backend.KERNELS_ENV_VAR, raising=False)
-    assert fla_backend.ours_enabled()
-    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "triton")
-    assert fla_backend.ours_enabled() and fla_backend.kernel_choice() == "triton"
-    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fla")
-    assert not fla_backend.ours_enabled()
+def test_the_kernel_choice_is_seeded_once_from_the_environment_and_ours_by_default(monkeypatch):
+    monkeypatch.delenv(kernel_choice.KERNELS_ENV_VAR, raising=False)
+    monkeypatch.setattr(kernel_choice, "_chosen", None)
+    assert kernel_choice.gdn_kernels() == kernel_choice.GdnKernels("gluon", "ours")
+    monkeypatch.setattr(kernel_choice, "_chosen", None)
+    monkeypatch.setenv(kernel_choice.KERNELS_ENV_VAR, "triton")
+    assert kernel_choice.gdn_kernels() == kernel_choice.GdnKernels("triton", "ours")
+    monkeypatch.setenv(kernel_choice.KERNELS_ENV_VAR, "fla")  # read once: a later change does not move it
+    assert kernel_choice.gdn_kernels().name == "triton"
+    kernel_choice.set_gdn_kernels("fla")
+    assert kernel_choice.gdn_kernels() == kernel_choice.GdnKernels("fla", "fla")
+    kernel_choice.set_gdn_kernels(None)  # seeds again from the environment
+    assert kernel_choice.gdn_kernels().name == "fla"
 
 
 def test_an_unknown_kernel_choice_names_the_valid_ones(monkeypatch):
-    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, "fast")
+    monkeypatch.setattr(kernel_choice, "_chosen", None)
+    monkeypatch.setenv(kernel_choice.KERNELS_ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="MEGATRON_MUON_GDN_KERNELS='fast'; valid choices"):
+        kernel_choice.gdn_kernels()
     with pytest.raises(ValueError, match="valid choices"):
-        fla_backend.ours_enabled()
+        kernel_choice.set_gdn_kernels("fast")
+    with pytest.raises(ValueError, match="output-gradient kernels 'gluon'"):
+        kernel_choice.GdnKernels(states="gluon", output_grads="gluon")
 
 
 def test_value_dims_the_default_tiles_do_not_divide_stay_on_fla(monkeypatch):

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_muon.ops import fla_backend, state_tma, state_ws
+from megatron_muon.ops import fla_backend, kernel_choice, state_tma, state_ws
 from tests.ops.test_state_tma import _check_against_fla_and_reference, _relative
 
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm90
@@ -98,7 +98,7 @@ def _stub_kernels(monkeypatch, gluon_error=None):
 @needs_gluon
 def test_a_rejected_gluon_kernel_warns_once_and_hands_every_call_to_triton(monkeypatch):
     calls = _stub_kernels(monkeypatch, TypeError("warp_specialize() got an unexpected keyword argument"))
-    monkeypatch.delenv(fla_backend.KERNELS_ENV_VAR, raising=False)
+    monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels.named("ours"))
     with pytest.warns(UserWarning, match="GDN state kernel failed to compile"):
         assert fla_backend._state_kernel("chunk_fwd_h", [], []) == "state_tma"
     with warnings.catch_warnings():
@@ -112,7 +112,7 @@ def test_a_rejected_gluon_kernel_warns_once_and_hands_every_call_to_triton(monke
 @pytest.mark.parametrize("choice, module", [("ours", "state_ws"), ("triton", "state_tma")])
 def test_the_kernel_choice_picks_the_state_kernels(monkeypatch, choice, module):
     calls = _stub_kernels(monkeypatch)
-    monkeypatch.setenv(fla_backend.KERNELS_ENV_VAR, choice)
+    monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels.named(choice))
     assert fla_backend._state_kernel("chunk_dhu", [], []) == module
     assert calls == [f"{module}.chunk_dhu"]
 

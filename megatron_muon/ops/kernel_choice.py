@@ -1,0 +1,70 @@
+"""Which kernels each stage of the GDN chunk op runs on CUDA: one explicit setting, chosen once per process.
+
+Stages (FLA's kernels run wherever ours do not qualify for the inputs):
+- ``states``: the chunk-state recurrences (forward h, backward dh): "gluon" (the warp-specialized kernels where they
+  apply, our Triton ones elsewhere), "triton" (our Triton kernels) or "fla".
+- ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours" or "fla".
+
+Named presets: "ours" (gluon + ours, the default), "triton" (triton + ours) and "fla" (FLA's everywhere).
+`set_gdn_kernels` (the recipe's ``model.gdn_kernels``) sets the choice; when nothing did, MEGATRON_MUON_GDN_KERNELS
+seeds it at the first op call. The ops read it inside their kernels, so it never becomes a guard in a compiled graph.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
+STATE_KERNELS = ("gluon", "triton", "fla")
+OUTPUT_GRAD_KERNELS = ("ours", "fla")
+
+
+@dataclass(frozen=True)
+class GdnKernels:
+    """The kernel family of each stage (see the module docstring)."""
+
+    states: str = "gluon"
+    output_grads: str = "ours"
+
+    def __post_init__(self):
+        if self.states not in STATE_KERNELS:
+            raise ValueError(f"GDN state kernels {self.states!r}; valid choices: {STATE_KERNELS}")
+        if self.output_grads not in OUTPUT_GRAD_KERNELS:
+            raise ValueError(f"GDN output-gradient kernels {self.output_grads!r}; valid choices: {OUTPUT_GRAD_KERNELS}")
+
+    @classmethod
+    def named(cls, name: str, where: str = "gdn_kernels") -> GdnKernels:
+        if name not in PRESETS:
+            raise ValueError(f"{where}={name!r}; valid choices: {tuple(PRESETS)}")
+        return PRESETS[name]
+
+    @property
+    def name(self) -> str | None:
+        """The preset's name, or None for a per-stage mix."""
+        return next((name for name, preset in PRESETS.items() if preset == self), None)
+
+
+PRESETS = {
+    "ours": GdnKernels("gluon", "ours"),
+    "triton": GdnKernels("triton", "ours"),
+    "fla": GdnKernels("fla", "fla"),
+}
+KERNEL_CHOICES = tuple(PRESETS)
+
+_chosen: GdnKernels | None = None
+
+
+def set_gdn_kernels(choice: str | GdnKernels | None) -> None:
+    """Choose the GDN kernels for this process: a preset name, a `GdnKernels`, or None to seed again from
+    MEGATRON_MUON_GDN_KERNELS at the next op call. Takes effect at the next op call."""
+    global _chosen
+    _chosen = GdnKernels.named(choice) if isinstance(choice, str) else choice
+
+
+def gdn_kernels() -> GdnKernels:
+    """The current choice (seeded from MEGATRON_MUON_GDN_KERNELS, default "ours", when nothing set it)."""
+    global _chosen
+    if _chosen is None:
+        _chosen = GdnKernels.named(os.environ.get(KERNELS_ENV_VAR, "ours"), where=KERNELS_ENV_VAR)
+    return _chosen
