@@ -3,9 +3,12 @@
 `import megatron_muon` replaces nothing. `register()` replaces the `register` entries; the GPU fast paths
 (`megatron/fast_paths.install_fast_paths`, which the training CLI and the launcher call on the optimizers they
 build) the `fast_paths` ones; `python -m megatron_muon.launch` (Megatron-LM scripts) adds the `launch` entries; CPU
-mode (`--cpu-mode`, the tiny CPU job and the CPU tests) the `cpu_mode` ones. `installed_patches()` reports those in
-effect in this process: a declared target whose current value is the plugin's. Megatron objects the plugin builds
-itself (its optimizers, layouts, specs) are classes megatron calls, not replacements, and are not listed.
+mode (`--cpu-mode`, the tiny CPU job and the CPU tests) the `cpu_mode` ones. Entries marked `per_instance` replace a
+method on individual objects megatron built (its mixed-precision wrappers, DDP and its buckets), never on the class,
+and only through `replace_method`, which refuses an undeclared one. `installed_patches()` reports those in effect in
+this process: a declared target whose current value (for a per-instance entry: on some live object) is the
+plugin's. Megatron objects the plugin builds itself (its optimizers, layouts, specs) are classes megatron calls, not
+replacements, and are not listed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import weakref
 from typing import NamedTuple
 
 
@@ -20,12 +24,17 @@ class Patch(NamedTuple):
     target: str  # dotted module path, then attributes; a trailing ['key'] names a registry entry
     reason: str
     installer: str  # "register" | "fast_paths" | "launch" | "cpu_mode"
+    per_instance: bool = False  # a method shadowed on megatron's objects (module.Class.method), not replaced
 
 
 _NORM = "without TE or Apex, megatron's fallback copies every per-tensor norm to the host; ours stays on the device"
 _SCALE = "without TE or Apex, megatron scales and copies one tensor at a time; ours is one multi-tensor pass"
 _TENSOR_SCALE = "without TE, megatron reads the clip factor on the host (a sync per step); ours keeps it on the device"
 _CPU = "CPU mode: megatron-core calls CUDA unconditionally; on a machine without a GPU this makes the call a no-op"
+_MIXED_PRECISION = "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer"  # Float16OptimizerWithFloat16Params's
+_BUFFERS = "megatron.core.distributed.param_and_grad_buffer"
+_OVERWRITE = ("each step's first gradient overwrites DDP's fp32 gradient buffers (fast_paths.install_first_grad_"
+              "overwrite), so they are not zeroed: ")
 
 PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.optimizer.emerging_optimizers._EMERGING_OPTIMIZERS['muon']",
@@ -41,6 +50,20 @@ PATCHES: tuple[Patch, ...] = (
             "the clip factor stays pending for an optimizer that applies it inside its own pass (one-pass AdamW, "
             "Muon's momentum) instead of a multiply over every gradient; any other caller clips as megatron does",
             "fast_paths") for module in ("clip_grads", "optimizer")),
+    Patch(f"{_MIXED_PRECISION}.step_with_ready_grads", "the one-pass AdamW (clip factor, update and bf16 model copy in "
+          "one pass) or our Muon writing the model copies replaces megatron's separate passes; megatron's step where "
+          "the pass declines", "fast_paths", per_instance=True),
+    Patch(f"{_MIXED_PRECISION}.prepare_grads", "a clip factor left pending by a skipped step is dropped before the next "
+          "step's gradients are prepared", "fast_paths", per_instance=True),
+    Patch("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._copy_main_params_to_model_params", "no copy for a step whose model copies our Muon's "
+          "update pass already wrote (shadowed inside that step only)", "fast_paths", per_instance=True),
+    *(Patch(f"{_BUFFERS}._ParamAndGradBucketGroup.{name}", _OVERWRITE + "the group's parameters without a gradient "
+            "are zeroed before its reduction", "fast_paths", per_instance=True)
+      for name in ("start_grad_sync", "finish_grad_sync")),
+    Patch("megatron.core.distributed.distributed_data_parallel.DistributedDataParallel.zero_grad_buffer",
+          _OVERWRITE + "the buffers keep last step's values until then", "fast_paths", per_instance=True),
+    Patch(f"{_BUFFERS}._ParamAndGradBuffer.reset", _OVERWRITE + "megatron's reset would zero them (shadowed while "
+          "zero_grad_buffer runs only)", "fast_paths", per_instance=True),
     Patch("megatron.core.optimizer.layer_wise_optimizer.LayerWiseDistributedOptimizer.compute_full_param_layout",
           "Megatron-LM wraps DDP through it for `--optimizer muon --use-distributed-optimizer`: the owner layout",
           "launch"),
@@ -101,14 +124,35 @@ def _is_ours(value) -> bool:
     return module == "megatron_muon" or module.startswith("megatron_muon.")
 
 
+_shadowed: dict[str, weakref.WeakSet] = {}  # per-instance target -> the objects it was installed on
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def replace_method(obj, name: str, replacement) -> None:
+    """Shadow method `name` on one megatron object with `replacement`, as a declared per-instance patch of a class
+    in its MRO; `del obj.<name>` undoes it."""
+    declared = {p.target for p in PATCHES if p.per_instance}
+    target = next((f"{_class_path(cls)}.{name}" for cls in type(obj).__mro__
+                   if f"{_class_path(cls)}.{name}" in declared), None)
+    assert target is not None, f"{_class_path(type(obj))}.{name} is not declared in megatron_muon.patches.PATCHES"
+    setattr(obj, name, replacement)
+    _shadowed.setdefault(target, weakref.WeakSet()).add(obj)
+
+
+def _in_effect(patch: Patch) -> bool:
+    if patch.per_instance:
+        name = patch.target.rsplit(".", 1)[1]
+        return any(_is_ours(vars(obj).get(name)) for obj in list(_shadowed.get(patch.target, ())))
+    try:
+        value = resolve(patch.target, import_modules=False)
+    except (ImportError, AttributeError, KeyError):
+        return False
+    return _is_ours(value)
+
+
 def installed_patches() -> list[tuple[str, str]]:
     """(dotted target, reason) of every declared replacement in effect in this process."""
-    installed = []
-    for patch in PATCHES:
-        try:
-            value = resolve(patch.target, import_modules=False)
-        except (ImportError, AttributeError, KeyError):
-            continue
-        if _is_ours(value):
-            installed.append((patch.target, patch.reason))
-    return installed
+    return [(patch.target, patch.reason) for patch in PATCHES if _in_effect(patch)]

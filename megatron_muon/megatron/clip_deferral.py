@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from megatron_muon.megatron.muon_wrappers import fused_muon_wrappers
+from megatron_muon.patches import replace_method
 
 _OWNER = "_megatron_muon_clip_owner"  # on each claimed parameter: a weakref to its owner
 _CLIP_MODULES = ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer")
@@ -37,7 +38,7 @@ def claim(wrapper, owner) -> None:
         owner.pending = None
         return original_prepare()
 
-    wrapper.prepare_grads = prepare_grads
+    replace_method(wrapper, "prepare_grads", prepare_grads)
     wrapper.clip_owner = owner  # lives as long as the wrapper
 
 

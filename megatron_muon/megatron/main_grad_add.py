@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron_muon.kernels import grad_accumulate
+from megatron_muon.patches import replace_method
 
 # set by the overwriting zero_grad_buffer: main_grad still holds the last step's gradient
 _STALE = "_megatron_muon_main_grad_stale"
@@ -79,7 +80,7 @@ def install_first_grad_overwrite(ddp_model) -> bool:
     wrappers = [(group, name, _zeroing_gradless(group, getattr(group, name)))
                 for group in groups for name in ("start_grad_sync", "finish_grad_sync")]
     for group, name, wrapper in wrappers:
-        setattr(group, name, wrapper)
+        replace_method(group, name, wrapper)
     zero_as_megatron = ddp_model.zero_grad_buffer
 
     def zero_grad_buffer():
@@ -88,7 +89,7 @@ def install_first_grad_overwrite(ddp_model) -> bool:
                 setattr(param, _STALE, False)
             return zero_as_megatron()
         for buffer in buffers:
-            buffer.reset = _keep_grad_data  # megatron's reset zeroes grad_data
+            replace_method(buffer, "reset", _keep_grad_data)  # megatron's reset zeroes grad_data
         try:
             zero_as_megatron()
         finally:
@@ -97,7 +98,7 @@ def install_first_grad_overwrite(ddp_model) -> bool:
         for param in params:
             setattr(param, _STALE, True)
 
-    ddp_model.zero_grad_buffer = zero_grad_buffer
+    replace_method(ddp_model, "zero_grad_buffer", zero_grad_buffer)
     setattr(ddp_model, _OVERWRITES, True)
     return True
 

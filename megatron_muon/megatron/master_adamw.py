@@ -22,6 +22,7 @@ import torch
 from megatron_muon.kernels.triton_math import supported
 from megatron_muon.megatron import clip_deferral
 from megatron_muon.optimizer.one_pass_adamw import OnePassAdamW
+from megatron_muon.patches import replace_method
 
 
 def install_master_adamw(optimizer) -> int:
@@ -58,7 +59,7 @@ def _attach(wrapper) -> OnePassAdamW:
         one_pass.apply_pending()
         return original_step()
 
-    wrapper.step_with_ready_grads = step_with_ready_grads
+    replace_method(wrapper, "step_with_ready_grads", step_with_ready_grads)
     wrapper.one_pass_adamw = one_pass  # lives as long as the wrapper
     return one_pass
 

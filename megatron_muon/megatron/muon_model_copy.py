@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from megatron_muon.megatron.master_adamw import model_copies_of
 from megatron_muon.megatron.muon_wrappers import fused_muon_wrappers
+from megatron_muon.patches import replace_method
 
 
 def install_muon_model_copy(optimizer) -> int:
@@ -34,13 +35,13 @@ def _attach(wrapper, muon) -> None:
 
     def step_with_ready_grads():
         # megatron's step, minus the copy Muon's step just made (the instance attribute shadows the method)
-        wrapper._copy_main_params_to_model_params = _copied_by_muon
+        replace_method(wrapper, "_copy_main_params_to_model_params", _copied_by_muon)
         try:
             return original_step()
         finally:
             del wrapper._copy_main_params_to_model_params
 
-    wrapper.step_with_ready_grads = step_with_ready_grads
+    replace_method(wrapper, "step_with_ready_grads", step_with_ready_grads)
     wrapper.muon_writes_model_copies = True
 
 

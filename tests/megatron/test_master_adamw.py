@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
 from tests.interpreter import run_under_interpreter
 
@@ -17,8 +18,9 @@ def test_pass_and_megatron_integration_under_triton_interpreter():
     run_under_interpreter(Path(__file__).with_name("_master_adamw_interpret_check.py"), timeout=400)
 
 
-class _Float16Wrapper:
-    """The attributes of megatron's Float16OptimizerWithFloat16Params that `_attach` reads and replaces."""
+class _Float16Wrapper(Float16OptimizerWithFloat16Params):
+    """Only the attributes of megatron's Float16OptimizerWithFloat16Params that `_attach` reads and replaces (its
+    constructor is not run)."""
 
     def __init__(self, inner, models):
         self.optimizer, self.float16_groups = inner, [models]
