@@ -45,6 +45,12 @@ class AnalyticCost:
     coefficients: str | tuple = DEFAULT_COEFFICIENTS  # a name or a tuple of (a, b, c): it sets the Gram restarts
     flops_fn: Callable[..., float] = newton_schulz_flops
 
+    @classmethod
+    def for_orthogonalizer(cls, orthogonalizer, **rates) -> AnalyticCost:
+        """The cost of the iterations a `kernels.settings.Orthogonalizer` runs (steps, schedule restarts, method)."""
+        return cls(steps=orthogonalizer.steps, method=orthogonalizer.method,
+                   coefficients=orthogonalizer.coefficients, **rates)
+
     def launch_cost(self, shape: Shape) -> float:
         return self.launch_s
 

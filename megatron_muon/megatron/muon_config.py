@@ -1,17 +1,22 @@
-"""Translate megatron-core's `OptimizerConfig.muon_*` options into `megatron_muon.optimizer.Muon` arguments.
+"""megatron-core's `muon_*` options as one value, `MuonConfig`, read once and handed to `Muon`, the owner engine and
+the owner plan's cost model.
 
 Every `muon_*` option keeps its megatron meaning: coefficient names resolve to the same schedules (and iteration
 modes) as megatron-core's emerging-optimizers backend, `muon_fp32_matmul_prec` picks the Newton–Schulz dtype,
-`muon_tp_mode` picks blockwise or TP-invariant gathering, `muon_split_qkv` the fused-projection split.
+`muon_tp_mode` picks blockwise or TP-invariant gathering, `muon_split_qkv` the fused-projection split. The same names
+are read from megatron's `OptimizerConfig`, Megatron-LM's parsed arguments and the training recipe's optimizer
+section, so all three paths build the same settings.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from megatron_muon.kernels.coefficients import COEFFICIENT_SETS, resolve_coefficients, warn_if_unsafe
+from megatron_muon.kernels.settings import Orthogonalizer
 from megatron_muon.optimizer.routing import MatrixLayout, matrix_layout, tag_fused_in_proj
 
 # muon_fp32_matmul_prec → Newton–Schulz iteration dtype ("medium": the kernel's bf16/fp16 choice).
@@ -26,6 +31,48 @@ def megatron_coefficient_schedule(name: str, steps: int) -> list[tuple[float, fl
         raise ValueError(f"muon_num_ns_steps must be >= 1, got {steps}")
     warn_if_unsafe(name)
     return resolve_coefficients(name, steps)
+
+
+@dataclass(frozen=True)
+class MuonConfig:
+    """The Muon-specific settings of one training job (megatron's defaults; lr and weight decay stay megatron's)."""
+
+    orthogonalizer: Orthogonalizer = field(default_factory=lambda: Orthogonalizer(
+        5, tuple(megatron_coefficient_schedule("quintic", 5))))
+    momentum: float = 0.95
+    nesterov: bool = False
+    scale_mode: str = "spectral"
+    extra_scale: float = 1.0
+    split_fused: bool = True
+    tp_mode: str = "blockwise"
+
+    @classmethod
+    def from_options(cls, options) -> MuonConfig:
+        """From anything carrying megatron's `muon_*` names: an OptimizerConfig, Megatron-LM's args, the recipe's
+        optimizer section (a missing name keeps megatron's default). `muon_ns_method` is this plugin's addition."""
+        defaults = cls()
+        precision = getattr(options, "muon_fp32_matmul_prec", "medium")
+        if precision not in _MATMUL_PRECISION_DTYPES:
+            raise ValueError(
+                f"unknown muon_fp32_matmul_prec {precision!r}; valid choices: {sorted(_MATMUL_PRECISION_DTYPES)}")
+        steps = getattr(options, "muon_num_ns_steps", defaults.orthogonalizer.steps)
+        schedule = megatron_coefficient_schedule(getattr(options, "muon_coefficient_type", "quintic"), steps)
+        return cls(
+            orthogonalizer=Orthogonalizer(steps, tuple(schedule), getattr(options, "muon_ns_method", "auto"),
+                                          compute_dtype=_MATMUL_PRECISION_DTYPES[precision]),
+            momentum=getattr(options, "muon_momentum", defaults.momentum),
+            nesterov=getattr(options, "muon_nesterov", defaults.nesterov),
+            scale_mode=getattr(options, "muon_scale_mode", defaults.scale_mode),
+            extra_scale=getattr(options, "muon_extra_scale_factor", defaults.extra_scale),
+            split_fused=getattr(options, "muon_split_qkv", defaults.split_fused),
+            tp_mode=getattr(options, "muon_tp_mode", defaults.tp_mode),
+        )
+
+    def muon_kwargs(self) -> dict[str, Any]:
+        """`Muon` / `WaveMuon` keyword arguments for these settings."""
+        return dict(momentum=self.momentum, nesterov=self.nesterov, scale_mode=self.scale_mode,
+                    extra_scale=self.extra_scale, split_fused=self.split_fused, tp_mode=self.tp_mode,
+                    **self.orthogonalizer.muon_kwargs())
 
 
 def tp_group_fn_for(pg_collection):
@@ -75,30 +122,14 @@ def muon_kwargs_from_config(config, model_chunks, pg_collection) -> dict[str, An
     """Constructor arguments of `Muon` for an OptimizerConfig (megatron's `config_to_kwargs` hook)."""
     for chunk in model_chunks:
         tag_fused_in_proj(chunk)
-    precision = getattr(config, "muon_fp32_matmul_prec", "medium")
-    if precision not in _MATMUL_PRECISION_DTYPES:
-        raise ValueError(
-            f"unknown muon_fp32_matmul_prec {precision!r}; valid choices: {sorted(_MATMUL_PRECISION_DTYPES)}"
-        )
-    steps = config.muon_num_ns_steps
-    split_fused = config.muon_split_qkv
+    muon = MuonConfig.from_options(config)
     return dict(
         lr=config.lr,
-        momentum=config.muon_momentum,
-        nesterov=config.muon_nesterov,
         weight_decay=config.weight_decay,
-        ns_steps=steps,
-        coefficients=megatron_coefficient_schedule(config.muon_coefficient_type, steps),
-        method=getattr(config, "muon_ns_method", "auto"),
-        scale_mode=config.muon_scale_mode,
-        extra_scale=config.muon_extra_scale_factor,
         weight_decay_mode="decoupled" if config.decoupled_weight_decay else "l2",
-        split_fused=split_fused,
-        compute_dtype=_MATMUL_PRECISION_DTYPES[precision],
-        tp_mode=config.muon_tp_mode,
         tp_group_fn=tp_group_fn_for(pg_collection),
-        layout_fn=MainParamLayouts(model_chunks, split_fused),
+        layout_fn=MainParamLayouts(model_chunks, muon.split_fused),
         # Megatron's mixed-precision wrapper owns found-inf skipping; a per-step host sync here would only cost.
         check_finite=False,
+        **muon.muon_kwargs(),
     )
-

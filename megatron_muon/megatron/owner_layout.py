@@ -11,6 +11,7 @@ replica lays its buffers out identically even when the solver's time limit makes
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
 
 import torch
@@ -104,12 +105,24 @@ def _stage_grid():
                      device=device)
 
 
-def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=None, tokens_per_step=None):
+def _default_cost() -> CostModel:
+    """Newton–Schulz FLOPs of the job's own settings: Megatron-LM's parsed `--muon-*` arguments when a Megatron-LM
+    script is running, megatron's defaults otherwise."""
+    from megatron_muon.megatron.muon_config import MuonConfig
+
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    args = getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
+    config = MuonConfig.from_options(args) if args is not None else MuonConfig()
+    return AnalyticCost.for_orthogonalizer(config.orthogonalizer)
+
+
+def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=None, tokens_per_step=None,
+                        cost: CostModel | None = None):
     """megatron's PerBufferParamLayout for one Muon buffer: owner-planned, whole matrices per shard."""
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.optimizer.param_layout import PerBufferParamLayout
 
-    cost = _settings["cost"] or AnalyticCost()
+    cost = cost or _settings["cost"] or _default_cost()
     items = layout_items(params, cost, _tp_size())
     tokens = tokens_per_step or _settings["tokens_per_step"]
     # a matrix's weight and input gradients are ~4·tokens FLOPs per element, at the cost model's rate
@@ -139,9 +152,11 @@ def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=
 
 
 def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp_config,
-                              expert_data_parallel_world_size=None, tokens_per_step: int | None = None):
+                              expert_data_parallel_world_size=None, tokens_per_step: int | None = None,
+                              cost: CostModel | None = None):
     """megatron's `FullParamLayout` for all of `params`: owner-planned Muon buffers, distributed-optimizer rest.
-    `tokens_per_step` (per rank) overrides `set_owner_plan`'s."""
+    `tokens_per_step` (per rank) and `cost` (e.g. `AnalyticCost.for_orthogonalizer` of the job's `MuonConfig`)
+    override `set_owner_plan`'s."""
     from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.param_layout import FullParamLayout
@@ -155,7 +170,8 @@ def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp
             if key.is_expert_parallel:
                 raise ValueError("expert-parallel Muon matrices are not laid out by owner yet; use --optimizer muon "
                                  "without --use-distributed-optimizer for MoE models")
-            layouts[key] = owner_buffer_layout(group, bucket_size, dp, ddp_config, param_indices, tokens_per_step)
+            layouts[key] = owner_buffer_layout(group, bucket_size, dp, ddp_config, param_indices, tokens_per_step,
+                                               cost)
         else:
             layouts[key] = DistributedOptimizer._compute_per_buffer_param_layout(
                 group, bucket_size, dp, ddp_config, param_indices)

@@ -19,9 +19,9 @@ from typing import NamedTuple
 import torch
 from torch.profiler import record_function
 
-from megatron_muon.kernels import resolve_coefficients
 from megatron_muon.kernels.coefficients import DEFAULT_COEFFICIENTS, warn_if_unsafe
-from megatron_muon.kernels.newton_schulz import METHODS, work_dtype
+from megatron_muon.kernels.newton_schulz import work_dtype
+from megatron_muon.kernels.settings import Orthogonalizer
 from megatron_muon.optimizer import fused_elementwise as fused_passes
 from megatron_muon.optimizer import fused_pieces
 from megatron_muon.optimizer import muon_math
@@ -160,10 +160,8 @@ class Muon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        resolve_coefficients(group["coefficients"], group["ns_steps"])  # raises listing the valid names
+        Orthogonalizer(group["ns_steps"], group["coefficients"], group["method"], group["eps"])  # raises with the fix
         warn_if_unsafe(group["coefficients"])
-        if group["method"] not in METHODS:
-            raise ValueError(f"unknown method {group['method']!r}; valid choices: {METHODS}")
         muon_math.check_scale_mode(group["scale_mode"])
         if group["weight_decay_mode"] not in muon_math.WEIGHT_DECAY_MODES:
             raise ValueError(

@@ -131,6 +131,8 @@ def _owner_layout(module, ddp_config, recipe: Recipe):
     """The owner-planned DDP layout, with DDP's own bucket size rule."""
     from megatron.core import parallel_state as ps
 
+    from megatron_muon.distributed.cost import AnalyticCost
+    from megatron_muon.megatron.muon_config import MuonConfig
     from megatron_muon.megatron.owner_layout import compute_full_param_layout, tag_params_for_owner_buffers
 
     tag_params_for_owner_buffers([module])
@@ -139,7 +141,9 @@ def _owner_layout(module, ddp_config, recipe: Recipe):
     if not ddp_config.overlap_grad_reduce or ps.get_pipeline_model_parallel_rank() > 0:
         bucket_size = None  # as DDP does: one bucket when nothing overlaps the backward
     params = [p for p in module.parameters() if p.requires_grad]
-    return compute_full_param_layout(params, bucket_size, dp, ddp_config)
+    orthogonalizer = MuonConfig.from_options(recipe.optimizer).orthogonalizer  # what the optimizer will run
+    return compute_full_param_layout(params, bucket_size, dp, ddp_config,
+                                     cost=AnalyticCost.for_orthogonalizer(orthogonalizer))
 
 
 def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True):

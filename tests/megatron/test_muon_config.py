@@ -1,0 +1,78 @@
+"""`MuonConfig`: one value for the Muon settings, read the same way from megatron's OptimizerConfig, Megatron-LM's
+parsed arguments and the recipe, and the same iterations for Muon and the owner plan's cost model."""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from megatron.core.optimizer import OptimizerConfig
+
+from megatron_muon.distributed.cost import AnalyticCost
+from megatron_muon.kernels.coefficients import resolve_coefficients
+from megatron_muon.kernels.settings import Orthogonalizer
+from megatron_muon.megatron import owner_layout
+from megatron_muon.megatron.muon_config import MuonConfig, muon_kwargs_from_config
+
+
+def _config(**muon):
+    return OptimizerConfig(optimizer="muon", lr=1e-3, weight_decay=0.1, **muon)
+
+
+def test_megatron_options_become_one_value():
+    config = _config(muon_num_ns_steps=4, muon_coefficient_type="polar_express", muon_fp32_matmul_prec="high",
+                     muon_momentum=0.9, muon_nesterov=True, muon_tp_mode="duplicated")
+    muon = MuonConfig.from_options(config)
+    assert muon.orthogonalizer.steps == 4 and muon.orthogonalizer.compute_dtype == torch.float32
+    assert list(muon.orthogonalizer.schedule) == resolve_coefficients("polar_express", 4)
+    assert (muon.momentum, muon.nesterov, muon.tp_mode) == (0.9, True, "duplicated")
+    kwargs = muon_kwargs_from_config(config, [], None)
+    assert {key: kwargs[key] for key in muon.muon_kwargs()} == muon.muon_kwargs()
+    assert (kwargs["lr"], kwargs["weight_decay"], kwargs["weight_decay_mode"]) == (1e-3, 0.1, "decoupled")
+
+
+def test_defaults_are_megatrons():
+    assert MuonConfig.from_options(_config()) == MuonConfig() == MuonConfig.from_options(SimpleNamespace())
+
+
+def test_the_recipe_and_the_optimizer_config_it_builds_agree():
+    from megatron_muon.training.loop import optimizer_config
+    from megatron_muon.training.recipes import load_recipe
+
+    recipe = load_recipe("tiny-cpu", ["optimizer.muon_num_ns_steps=4", "optimizer.muon_coefficient_type=cans"])
+    assert MuonConfig.from_options(recipe.optimizer) == MuonConfig.from_options(optimizer_config(recipe))
+    assert MuonConfig.from_options(recipe.optimizer).orthogonalizer.steps == 4
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(muon_fp32_matmul_prec="low"), "muon_fp32_matmul_prec"),
+    (dict(muon_coefficient_type="fancy"), "muon_coefficient_type"),
+    (dict(muon_num_ns_steps=0), "muon_num_ns_steps"),
+    (dict(muon_ns_method="fast"), "valid choices"),
+])
+def test_bad_options_name_the_fix(options, match):
+    with pytest.raises(ValueError, match=match):
+        MuonConfig.from_options(SimpleNamespace(**options))
+
+
+def test_orthogonalizer_is_hashable_after_a_state_dict_round_trip_and_checks_itself():
+    schedule = [[3.4445, -4.775, 2.0315]] * 3
+    assert hash(Orthogonalizer(3, schedule)) == hash(Orthogonalizer(3, tuple(map(tuple, schedule))))
+    assert Orthogonalizer(1, [3.4445, -4.775, 2.0315]).schedule == [(3.4445, -4.775, 2.0315)]
+    with pytest.raises(ValueError, match="pass steps=3"):
+        Orthogonalizer(2, schedule)
+    with pytest.raises(ValueError, match="eps"):
+        Orthogonalizer(eps=0.0)
+
+
+def test_the_owner_plan_costs_the_jobs_own_iterations(monkeypatch):
+    """Megatron-LM's parsed --muon-* arguments set the default cost of the owner plan; without them, megatron's
+    defaults; a cost passed by value wins (the training CLI passes its recipe's)."""
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", SimpleNamespace(
+        _GLOBAL_ARGS=SimpleNamespace(muon_num_ns_steps=3, muon_coefficient_type="simple")))
+    cost = owner_layout._default_cost()
+    assert (cost.steps, cost.coefficients) == (3, tuple(resolve_coefficients("simple", 3)))
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", SimpleNamespace(_GLOBAL_ARGS=None))
+    assert owner_layout._default_cost() == AnalyticCost.for_orthogonalizer(MuonConfig().orthogonalizer)
+    four = AnalyticCost.for_orthogonalizer(Orthogonalizer(4))
+    assert four.matrix_cost((512, 512)) == pytest.approx(AnalyticCost(steps=5).matrix_cost((512, 512)) * 4 / 5)
