@@ -81,7 +81,8 @@ def packed_shard_size(sizes: list[int], dp: int) -> int:
 def form_buckets(numels: list[int], bucket_size: int | None, dp: int, max_padding: float = MAX_PADDING) -> list[list[int]]:
     """Contiguous runs of item indices in backward order (last item first). A bucket closes once it holds
     `bucket_size` elements and its whole items pack into dp shards with at most `max_padding` of it left empty
-    (megatron's layer-wise rule closes at dp × 0.9 × its largest item, which leaves up to ~15% empty at dp=8)."""
+    (megatron's layer-wise rule closes at dp × 0.9 × its largest item, which leaves more of a bucket empty:
+    docs/design/distributed.md)."""
     buckets, chunk, sizes = [], [], []
     for index in reversed(range(len(numels))):
         chunk.append(index)

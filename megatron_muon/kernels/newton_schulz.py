@@ -15,19 +15,17 @@ from megatron_muon.kernels.backends import select_ops
 
 METHODS = ("standard", "gram", "auto")
 
-# `auto` rule, measured on one H200 (benchmarks/results/orthogonalize_auto_persistent.md: bf16 input, 5 quintic
-# steps, persistent Triton symmetric kernels, default restarts; medians of alternated rounds). Gram/standard time
-# for stacks as Muon builds them (24 × 2048 × n, 36 × 1536 × n): 1.0x square, 0.89-0.96x at aspect 1.125,
-# 0.88-0.92x at 1.25, 0.85x at 1.33, 0.82-0.84x at 1.5, 0.65x at 2.75. Stacks of 6 × 2048 gain from 1.25 (0.97x), so the
-# rule starts there. Short side 1024 (too little m×m work to fill the GPU; 32 × 1024 × n): 1.01x at 2.5, 0.98x
-# at 2.75, so it stays at 2.5. (Stacks of 6-8 small matrices are host-bound at 1.5-2.5 ms a call and not ranked.)
+# `auto` rule, measured on one H200 (docs/design/newton_schulz.md). For stacks as Muon builds them (24 × 2048 × n,
+# 36 × 1536 × n) Gram ties standard NS when square and is faster from aspect 1.125 on, the more so the longer the
+# long side; stacks of 6 × 2048 gain from 1.25, so the rule starts there. Short side 1024 (too little m×m work to
+# fill the GPU) gains only past 2.5, so it stays at 2.5. (Stacks of 6-8 small matrices are host-bound, not ranked.)
 GRAM_MIN_ASPECT = 1.25
 GRAM_MIN_ASPECT_SHORT_SIDE = 1536
 GRAM_MIN_ASPECT_SMALL = 2.5
 
 # Iteration dtypes. Standard NS keeps X bounded (singular values <= ~1.2, entries far above fp16's subnormals), so
-# fp16 costs the same as bf16 (Muon's convention) and is ~5x more accurate against the fp64 iteration (relative
-# error 0.002 vs torch.optim.Muon's 0.009 on the reference shapes, benchmarks/results/orthogonalize.md). Gram NS
+# fp16 costs the same as bf16 (Muon's convention) and is several times more accurate against the fp64 iteration
+# than torch.optim.Muon's bf16 on the reference shapes (docs/design/newton_schulz.md). Gram NS
 # iterates on X·Xᵀ, which squares the condition number: fp16's 3 extra mantissa bits keep small eigenvalues
 # resolved, and the values stay far inside fp16's range (R <= ~1.5, Q <= ~50 between restarts).
 STANDARD_DTYPE = torch.float16
@@ -37,14 +35,14 @@ GRAM_DTYPE = torch.float16
 # a² (the iteration's slope at zero), so the error grows with the updates between restarts, and errors in the last
 # iterations are not corrected by later ones. Measured on CPU (fp16 iteration; singular values 1e-6..1, rank-
 # deficient, spiked and Gaussian inputs; max |output singular values - fp64 iteration's|): a restart before every
-# second iteration from the 2nd, (2, 4, 6, ...), so that R is at most one update old when used, keeps 0.002-0.03 for
-# 3-8 steps with every coefficient set in the package and in megatron's table (the old fixed (2, 4) blew up at
-# 7-8 steps: 0.4 and 31). When the first two iterations amplify gently (a₀²·a₁² <= GENTLE_START_GAIN: Keller's
-# quintic, 141), the first R may be two updates old: at an odd step count that saves a restart, (3, 5, ...), at
-# 0.004-0.03. On the H200's reference set (5 steps, benchmarks/results/orthogonalize_restarts.md) that is 60.5 ms
-# against 69.4 with (2, 4), at the same 0.0022-0.0024 relative error against the fp64 iteration. Steeper starts
-# blow up that way (megatron's "quintic" 260, Polar Express 1100, CANS 1255); "aol" (192) reached 0.056. The last
-# R must stay at most one update old for every schedule (two: 0.06-0.08 on spiked inputs). No restart blows up.
+# second iteration from the 2nd, (2, 4, 6, ...), so that R is at most one update old when used, keeps the error
+# small for 3-8 steps with every coefficient set in the package and in megatron's table (the old fixed (2, 4) blew
+# up at 7-8 steps). When the first two iterations amplify gently (a₀²·a₁² <= GENTLE_START_GAIN: Keller's quintic,
+# 141), the first R may be two updates old: at an odd step count that saves a restart, (3, 5, ...), at a similar
+# error. On the H200's reference set (5 steps) that is faster than (2, 4) at the same relative error against the
+# fp64 iteration. Steeper starts blow up that way (megatron's "quintic" 260, Polar Express 1100, CANS 1255); "aol"
+# (192) ends further off. The last R must stay at most one update old for every schedule (two updates old, the
+# error grows on spiked inputs). No restart blows up. The errors and times: docs/design/newton_schulz.md.
 GENTLE_START_GAIN = 150.0
 
 
@@ -119,8 +117,8 @@ def _normalized_padded(X: torch.Tensor, eps: float, work_dtype: torch.dtype, ops
     rounded result into the (padded) work buffer, so no fp32 copy of the batch is ever materialized: on the
     reference set this saves ~24 bytes of traffic per element over "upcast, divide, downcast, pad". Zero columns
     leave X·Xᵀ, every iterate's other columns and the result unchanged (they stay zero), and they make rows
-    128-byte aligned: 9228-wide fp16 rows otherwise force slow unaligned GEMM paths (measured on the H200: the
-    GDN in_proj shape ran at ~230 TFLOP/s against ~550 for aligned shapes, in torch.optim.Muon too). On the GPU the
+    128-byte aligned: 9228-wide fp16 rows otherwise force slow unaligned GEMM paths (measured on the H200 for the
+    GDN in_proj shape, in torch.optim.Muon too: docs/design/newton_schulz.md). On the GPU the
     division and padding are one Triton pass (`kernels/scaled_copy.py`).
     """
     n = X.size(-1)
@@ -212,9 +210,9 @@ def orthogonalize(
 
 
 def _cast(Y: torch.Tensor, dtype: torch.dtype, ops) -> torch.Tensor:
-    """Y in `dtype`. torch's casting copy takes its non-vectorized path (3.8 of the reference set's 58 ms on the
-    H200, about half the copy bandwidth); the input pass's kernel with a unit norm rounds the same in one coalesced
-    pass (x / 1 is exact)."""
+    """Y in `dtype`. torch's casting copy takes its non-vectorized path, well below the copy bandwidth on the H200
+    (docs/design/newton_schulz.md); the input pass's kernel with a unit norm rounds the same in one coalesced pass
+    (x / 1 is exact)."""
     if Y.dtype == dtype:
         return Y
     one = torch.ones(Y.size(0), 1, 1, dtype=torch.float32, device=Y.device)

@@ -3,11 +3,10 @@
 Newton–Schulz starts from X / ‖X‖_F in fp16, with the smaller side first and the long side padded to a 64-column
 multiple. torch does that as `torch.div(X, norm, out=padded[..., :n])`: the inputs mix dtypes (bf16/fp32 in, fp16
 out), so TensorIterator takes its non-vectorized dynamic-cast path, and for a tall matrix X is a transposed view, read
-across rows. In the hybrid-1.5B's Muon step on the H200 that pass took 7.4 ms per step (benchmarks/results/
-e2e_profile_rung6.md), against ~1.5 ms to move its bytes. This kernel loads tiles along whichever axis of X is
-contiguous, converts the layout on chip, stores rows contiguously and writes the padding zeros in the same pass:
-on the H200 it moves 3.3-3.8 TB/s, 3.9 -> 0.88 ms for the fc1 stack in fp32, and the reference set's NS went from
-75.0 to 69.3 ms (benchmarks/results/orthogonalize_input_pass.md). The division is IEEE-rounded; torch's CUDA
+across rows. In the hybrid-1.5B's Muon step on the H200 that pass took several times what moving its bytes needs.
+This kernel loads tiles along whichever axis of X is contiguous, converts the layout on chip, stores rows
+contiguously and writes the padding zeros in the same pass, near the H200's copy bandwidth
+(docs/design/newton_schulz.md). The division is IEEE-rounded; torch's CUDA
 division is not always, so the two results rarely differ, by one fp16 step.
 """
 

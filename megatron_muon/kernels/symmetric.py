@@ -7,8 +7,8 @@ hardware (TMA) so a batch whose elements start beyond 2³¹ elements indexes cor
 pointers or, on Hopper, through the tensor-memory accelerator (TMA: A, B and C loaded, both stored tiles written
 asynchronously from shared memory), and TMA configs may be persistent (one program per SM looping over the batch's
 tiles, so a tile's loads overlap the previous tile's stores); the autotuner picks per (rows, inner dim). TMA stores
-matter most: the transposed pointer store of the mirror tile made the epilogue a quarter of a 2048³ product's time
-(benchmarks/results/sym_persistent.md). A fixed small config under TRITON_INTERPRET=1 (CPU debugging).
+matter most: the transposed pointer store of the mirror tile made the epilogue a large share of a product's time
+(docs/design/newton_schulz.md). A fixed small config under TRITON_INTERPRET=1 (CPU debugging).
 On Hopper, `TritonOps.sym_mm` prefers the warp-specialized Gluon kernel (`symmetric_ws.py`) wherever it applies.
 """
 

@@ -3,10 +3,9 @@ gradient straight into its slice (see `gradient_pieces`).
 
 megatron computes SwiGLU from `torch.chunk(fc1_output, 2)` (or `bias_swiglu_impl`, whose backward is
 `torch.cat((dgate, dup), -1)`): under torch.compile the gradient of those two halves is a two-input cat that Inductor
-lowers as one kernel evaluating both halves' backward for every element (0.36 ms per MLP layer at 16k tokens on the
-H200, benchmarks/results/e2e_profile_rung4.md). Here each half is cut at the same >= MIN_GRADIENT_PIECES points:
-the forward concatenates >= 9 products and the backward >= 18 gradient pieces, both as per-piece kernels. Same math,
-element by element.
+lowers as one kernel evaluating both halves' backward for every element (measured: docs/design/gdn_kernels.md).
+Here each half is cut at the same >= MIN_GRADIENT_PIECES points: the forward concatenates >= 9 products and the
+backward >= 18 gradient pieces, both as per-piece kernels. Same math, element by element.
 
 The hook is an MLP subclass rather than megatron's `MLPSubmodules(activation_func=...)`: that builder is only used
 under the global `config.use_te_activation_func`, which also switches MoE and shared experts and megatron's own

@@ -13,8 +13,7 @@ FLA's Triton kernel forms dsᵀ by transposing ds, a tensor in the tensor-core a
 product, v·doᵀ, instead: a [BT, BT] product beside three [BT, BK] ones per value block.
 One program per (key block, chunk, head); the key blocks of a chunk run next to each other, so the chunk's value-side
 tiles (do, v, dv) come from L2 after the first. dg is written per key block and summed. On an H200 at the
-hybrid-1.5B shape it takes 0.68× FLA's call (TileLang there) and moves its bytes at 3.2 TB/s
-(benchmarks/results/dqkwg.md).
+hybrid-1.5B shape it is faster than FLA's call, which runs TileLang there (docs/design/gdn_kernels.md).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ CHUNK = 64
 MIN_KEY_BLOCK = 64
 # (key block, value block, warps, stages); the autotuner picks one on the first call per shape. Each compiles for
 # sm90 without register spills (Triton's ptxas, pointers specialized as at run time); 128-row key blocks on 4 warps
-# and 128-column value blocks on 4 warps spilled 1.5 and 0.5 KB and are left out.
+# and 128-column value blocks on 4 warps spilled and are left out (docs/design/gdn_kernels.md).
 CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3),
            (64, 128, 8, 2), (64, 32, 4, 3)]
 _INTERPRETER_CONFIG = (64, 32, 4, 1)

@@ -12,8 +12,8 @@ traffic is what limits FLA's kernels; at 32 and wider the chain of dependent pro
 TMA descriptors stream the tiles into shared memory and the chunk loop is software-pipelined. Every product takes
 the [BV, ·] register tile as its left operand and a shared-memory tile as its right one (v_new and dv2 are computed
 transposed), so the state never goes through shared memory; the state is kept in 64-column key slices, as in FLA's
-kernels, so that no product's operands overflow the registers. On an H200 at the hybrid-1.5B shape the backward
-takes 0.74–0.76× FLA's autotuned kernel and the forward the same time (benchmarks/results/fla_state_kernels_tma.md).
+kernels, so that no product's operands overflow the registers. On an H200 at the hybrid-1.5B shape the backward is
+faster than FLA's autotuned kernel and the forward takes the same time (docs/design/gdn_kernels.md).
 
 Rounding differs from FLA's in one place: the backward's gate 2^g multiplies do (a [BT, BV] tile) instead of q, and
 that product runs in the input dtype rather than tf32. Dense equal-length batches with one value head per key head;
@@ -226,10 +226,10 @@ if triton is not None:
 
 # (BV, warps, stages): every entry compiles for sm90 within the H200's 227 KiB of shared memory per block at key dim
 # 256. Checked with Triton's own ptxas on a CPU machine (pointers and lengths specialized as divisible by 16, as at
-# run time): no forward tile spills registers, the backward's first five spill at most 8 bytes, 32/4/2 and
-# 64/8/1 spill 60 and 124 (the 64-column key slices keep operands small; whole 256-column tiles spilled in every
-# config). The first entry is the default: on the H200 (benchmarks/results/fla_state_kernels_tma.md) it is the
-# fastest forward tile, and within 3% of the fastest backward one (16/4/2 moves 2x the key-side tiles through L2).
+# run time): no forward tile spills registers and the backward tiles spill little (the 64-column key slices keep
+# operands small; whole 256-column tiles spilled in every config). The first entry is the default: on the H200 it
+# is the fastest forward tile, and close to the fastest backward one, which moves twice the key-side tiles through
+# L2 (docs/design/gdn_kernels.md).
 FORWARD_CONFIGS = [(32, 4, 3), (32, 8, 3), (32, 8, 2), (32, 4, 4), (16, 4, 3), (16, 4, 2), (64, 8, 2)]
 BACKWARD_CONFIGS = [(32, 8, 2), (32, 8, 3), (16, 4, 2), (16, 4, 3), (16, 8, 2), (32, 4, 2), (64, 8, 1)]
 _INTERPRETER_CONFIG = (16, 4, 1)

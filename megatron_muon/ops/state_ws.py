@@ -8,8 +8,8 @@ The Triton kernels (`state_tma.py`) keep the state value-major in registers and 
 (the backward keeps M = −dhᵀ so both products accumulate). One producer warp streams the chunk's key-side tiles
 into a two-stage ring by TMA (all shared memory allows); the consumer warpgroup writes each chunk's state to shared
 memory once, as the B operand of the first product and the source of the state's TMA store, and prefetches the
-next chunk's gates (and do, dv) into registers. On the H200 at the hybrid-1.5B layer shape the forward takes 0.57×
-and the backward 0.59× the Triton kernels' time (benchmarks/results/gdn_state_ws.md).
+next chunk's gates (and do, dv) into registers. On the H200 at the hybrid-1.5B layer shape both recurrences are
+faster than the Triton kernels and FLA's (docs/design/gdn_kernels.md).
 
 Rounding differs from the Triton kernels in one place: the backward's −scale·2^g multiplies do before its bf16
 cast (exact when scale is a power of two, as for key dim 64 or 256). Needs Triton's Gluon (`gluon_support`); a

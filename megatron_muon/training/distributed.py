@@ -70,7 +70,7 @@ def _prepare_cpu(torch_compile: bool) -> None:
         enable_cpu_mode()
     if "OMP_NUM_THREADS" not in os.environ:
         # One intra-op thread per rank: CPU runs are tiny, and spinning OpenMP threads on shared cores made
-        # steps 5-40x slower in measurements here.
+        # steps many times slower (docs/design/distributed.md).
         torch.set_num_threads(1)
     if not torch_compile:  # megatron's jit_fuser would otherwise compile on CPU for tens of seconds
         from torch import _dynamo
