@@ -25,6 +25,8 @@ from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megatron_muon.layers.max_logit import max_attention_logits, running_max
+
 TE_FUSED_ATTENTION_ENV = {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"}
 TE_INSTALL_HINT = (
     "Transformer Engine is not installed, so the TE spec cannot be built; install it with "
@@ -92,7 +94,13 @@ else:
 
 
 class SDPADotProductAttention(MegatronModule):
-    """Megatron core attention on torch SDPA: cuDNN only on GPU, math on CPU; causal or unmasked, no packing."""
+    """Megatron core attention on torch SDPA: cuDNN only on GPU, math on CPU; causal or unmasked, no packing.
+
+    With `config.qk_clip` or `config.log_max_attention_logit` it keeps `current_max_attn_logits` as TE's core
+    attention does (per head of this partition, running max over micro-batches until QK-clip resets it), so
+    megatron's `SelfAttention.clip_qk` works on the local spec too; SDPA returns no logits, so they are recomputed
+    (`max_logit.py`). None when both options are off.
+    """
 
     def __init__(
         self,
@@ -134,6 +142,8 @@ class SDPADotProductAttention(MegatronModule):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.records_max_logits = bool(config.qk_clip or config.log_max_attention_logit)
+        self.current_max_attn_logits: Optional[torch.Tensor] = None
 
     def forward(
         self,
@@ -149,6 +159,10 @@ class SDPADotProductAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPADotProductAttention takes no packed sequences or attention bias; use the TE spec.")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if self.records_max_logits:  # before the GQA expansion: the per-group key heads suffice
+            scale = self.softmax_scale if self.softmax_scale is not None else query.shape[-1] ** -0.5
+            step_max = max_attention_logits(query, key, scale, causal=mask_type == AttnMaskType.causal)
+            self.current_max_attn_logits = running_max(self.current_max_attn_logits, step_max)
         if self.heads_per_group > 1:  # cuDNN SDPA has no native GQA: give every query head its key/value head
             key = key.repeat_interleave(self.heads_per_group, dim=2)
             value = value.repeat_interleave(self.heads_per_group, dim=2)

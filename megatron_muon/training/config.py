@@ -45,6 +45,10 @@ class ModelSection:
     gdn_kernels: str | None = None  # "ours", "triton" or "fla" (ops/kernel_choice.py); None: MEGATRON_MUON_GDN_KERNELS
     init_method_std: float = 0.02
     dropout: float = 0.0
+    qk_clip: bool = False  # MuonClip: rescale W_q, W_k per query group after each step (megatron's clip_qk)
+    qk_clip_threshold: float = 100.0  # clip where a group's max pre-softmax logit exceeds this
+    qk_clip_alpha: float = 0.5  # share of the clip taken by the queries (the keys take 1 - alpha)
+    log_max_attention_logit: bool = False  # log the max logit without clipping (qk_clip logs it too)
 
 
 @dataclass

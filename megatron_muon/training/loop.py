@@ -7,11 +7,12 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from megatron_muon.megatron.fast_paths import install_fast_paths
+from megatron_muon.megatron.qk_clip import QkClipAfterStep
 from megatron_muon.metrics import MfuCalculator, peak_tflops
 from megatron_muon.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_muon.training.config import Recipe
@@ -219,6 +220,7 @@ class _Run:
     start_step: int
     output_dir: Path
     log: JsonlLog | None
+    qk_clip: QkClipAfterStep | None = None  # model.qk_clip / log_max_attention_logit
 
 
 def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
@@ -249,6 +251,7 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
         # the owner engine leaves megatron's DDP as it is (its buffers are zeroed by megatron every step)
         first_grad_overwrite=recipe.optimizer.first_grad_overwrite and not uses_owner_engine(recipe))
     scheduler = lr_scheduler(recipe, optimizer)
+    qk_clip = QkClipAfterStep.for_config(config, [model], optimizer)  # checks the model can record its logits
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
 
@@ -281,7 +284,7 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
             **{key: fast_paths[key] for key in ("fused_adam_groups", "one_pass_adamw", "muon_clip_in_momentum",
                                                 "muon_model_copy", "first_grad_overwrite_chunks")},
         })
-    return _Run(model, optimizer, scheduler, batches, mfu_of, tokens_per_step, start_step, output_dir, log)
+    return _Run(model, optimizer, scheduler, batches, mfu_of, tokens_per_step, start_step, output_dir, log, qk_clip)
 
 
 def _resume_plan(recipe: Recipe) -> tuple[int | None, dict | None]:
@@ -340,6 +343,7 @@ def _step_record(run: _Run, window: _Window, done: int, update_ok: bool, grad_no
         "tokens_per_s": tokens_per_s, "step_time_s": window.seconds / window.steps,
         "optimizer_share": window.optimizer_seconds / window.seconds, "memory_gib": _memory_gib(),
         "skipped_update": not update_ok, **run.mfu_of(tokens_per_s),
+        **(run.qk_clip.record() if run.qk_clip else {}),  # a collective: every rank builds the record
     }
 
 
@@ -398,6 +402,8 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
             )
             timer.end_forward_backward()
             update_ok, grad_norm, _ = optimizer.step()
+            if run.qk_clip:  # MuonClip: part of the step, after the update (a skipped step clips nothing)
+                run.qk_clip.after_step(update_ok)
             if update_ok:
                 run.scheduler.step(increment=1)  # schedule counted in iterations
             unread_losses.append(losses)

@@ -71,6 +71,10 @@ def transformer_config(recipe: Recipe, on_gpu: bool):
         linear_value_head_dim=model.gdn_value_head_dim,
         linear_num_key_heads=model.gdn_num_key_heads,
         linear_num_value_heads=model.gdn_num_value_heads,
+        qk_clip=model.qk_clip,
+        qk_clip_threshold=model.qk_clip_threshold,
+        qk_clip_alpha=model.qk_clip_alpha,
+        log_max_attention_logit=model.log_max_attention_logit,
     )
 
 

@@ -43,6 +43,7 @@ def format_step(record: dict[str, Any], train_iters: int) -> str:
         f"MFU {_fmt(record['mfu'], '.1f', 100, '%')} | "
         f"all-SDPA-eq MFU {_fmt(record['mfu_all_sdpa'], '.1f', 100, '%')} | "
         f"opt step {record['optimizer_share'] * 100:.1f}% | mem {record['memory_gib']:.2f} GiB"
+        + (f" | max logit {_fmt(record['max_attention_logit'], '.2f')}" if "max_attention_logit" in record else "")
     )
 
 

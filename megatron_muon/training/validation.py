@@ -110,7 +110,24 @@ def _validate_model(recipe: Recipe) -> None:
             _require(model.gdn_num_key_heads % tp == 0,
                      f"model.gdn_num_key_heads ({model.gdn_num_key_heads}) must be divisible by "
                      f"tensor_model_parallel_size ({tp}).")
+    _validate_qk_clip(recipe)
     assert set(full_layer_pattern(recipe)) <= set(LAYER_SYMBOLS)
+
+
+def _validate_qk_clip(recipe: Recipe) -> None:
+    model = recipe.model
+    if model.qk_clip:
+        _require(model.qk_clip_threshold > 0,
+                 f"model.qk_clip_threshold must be > 0 (the largest logit left unclipped), got "
+                 f"{model.qk_clip_threshold}; megatron's default is 100.")
+        _require(0 < model.qk_clip_alpha < 1,
+                 f"model.qk_clip_alpha must lie strictly between 0 and 1, got {model.qk_clip_alpha}; megatron's "
+                 "default is 0.5.")
+    if model.qk_clip or model.log_max_attention_logit:
+        _require(not (model.kind == "gpt" and model.spec_backend == "local"),
+                 "model.qk_clip and model.log_max_attention_logit need an attention that records its max logits, "
+                 "which megatron's local GPT spec does not; use model.kind: hybrid (model.layer_pattern: '*' is all "
+                 "attention) or model.spec_backend: te.")
 
 
 def _validate_layout(recipe: Recipe, world_size: int) -> None:
