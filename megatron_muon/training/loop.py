@@ -371,8 +371,11 @@ def _save(recipe: Recipe, run: _Run, step: int) -> None:
     save_checkpoint(recipe.checkpoint.save, step, run.model, run.optimizer, run.scheduler, _sharded_optimizer(recipe))
 
 
-def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
-    """Train the recipe's model on this rank (every rank of the job calls it); returns a summary on every rank."""
+def pretrain(recipe: Recipe, ctx: RunContext, evaluate: Callable[[Any], dict[str, Any]] | None = None
+             ) -> dict[str, Any]:
+    """Train the recipe's model on this rank (every rank of the job calls it); returns a summary on every rank.
+    `evaluate(model)`, when given, runs on every rank after the last step (the loop has no eval of its own) and its
+    entries join the summary and the log's end record."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     train, run = recipe.training, _start_run(recipe, ctx)
@@ -445,6 +448,8 @@ def pretrain(recipe: Recipe, ctx: RunContext) -> dict[str, Any]:
     summary = {"first_loss": first_loss, "last_loss": last_loss, "steps": done - start_step,
                "seconds": time.perf_counter() - run_start, "log": str(run.output_dir / LOG_FILE),
                "stopped_by_signal": done < train.train_iters}
+    if evaluate is not None:
+        summary.update(evaluate(model))
     if log:
         log.write({"event": "end", **summary})
         log.close()
