@@ -118,10 +118,9 @@ def _extend_dhu_autotune() -> None:
     """Let FLA's backward state kernel also try 16-column value blocks on two warps.
 
     The kernel walks the chunks in sequence, one program per (head, value block), so at 6 heads its time is
-    latency, not work: FLA's space (32 or 64 columns, 2 or 4 warps) leaves most SMs idle or waiting. Measured on
-    the H200 for the hybrid-1.5B layer (16k tokens, 6 heads, key 256, value 512): 1.072 ms with 16 columns on two
-    warps against 1.156 ms for FLA's best (benchmarks/results/fla_state_kernels.md); the autotuner still picks per
-    shape, so other shapes lose nothing.
+    latency, not work: FLA's space (32 or 64 columns, 2 or 4 warps) leaves most SMs idle or waiting. At the
+    hybrid-1.5B layer on the H200, 16 columns on two warps beat FLA's best (docs/design/gdn_kernels.md); the
+    autotuner still picks per shape, so other shapes lose nothing.
     """
     import triton
     from fla.ops.common import chunk_delta_h
