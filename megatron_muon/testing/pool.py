@@ -47,11 +47,23 @@ def _worker_main(rank: int, world_size: int, port: int, conn, parent_sys_path: l
         if message is None:
             break
         fn, args, kwargs = message
+        _fresh_process_state()
         try:
             conn.send(("ok", fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # report everything, the pool stays usable
             conn.send(("error", traceback.format_exc()))
     _exit_now()
+
+
+def _fresh_process_state() -> None:
+    """Undo what an earlier task may have left process-wide, so a test's result never depends on which ran before:
+    an fp64 run's default dtype and its fp64-as-fp32 reporting (`.float()` then keeps fp64)."""
+    import torch
+
+    from megatron_muon._cpu import report_float64_as_float32
+
+    torch.set_default_dtype(torch.float32)
+    report_float64_as_float32(False)
 
 
 def _exit_now() -> None:

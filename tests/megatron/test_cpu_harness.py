@@ -49,3 +49,20 @@ def _fail_on_rank_one(rank, world_size):
 
 def _rank_and_world(rank, world_size):
     return rank, world_size
+
+
+def _leave_fp64_state(rank, world_size):
+    from megatron_muon._cpu import report_float64_as_float32
+
+    report_float64_as_float32(True)  # what an fp64 parity run's setup turns on
+    torch.set_default_dtype(torch.float64)
+    return torch.ones(1, dtype=torch.float64).float().dtype == torch.float64
+
+
+def _process_state(rank, world_size):
+    return torch.get_default_dtype(), torch.ones(1, dtype=torch.float64).float().dtype
+
+
+def test_a_task_starts_from_fresh_process_state_whatever_ran_before(rank_pool_1):
+    assert rank_pool_1.run(_leave_fp64_state) == [True]
+    assert rank_pool_1.run(_process_state) == [(torch.float32, torch.float32)]
