@@ -122,7 +122,7 @@ def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.optimizer.param_layout import PerBufferParamLayout
 
-    cost = cost or _settings["cost"] or _default_cost()
+    cost = _settings["cost"] or cost or _default_cost()  # an explicit set_owner_plan cost is an experiment's
     items = layout_items(params, cost, _tp_size())
     tokens = tokens_per_step or _settings["tokens_per_step"]
     # a matrix's weight and input gradients are ~4·tokens FLOPs per element, at the cost model's rate
@@ -155,8 +155,9 @@ def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp
                               expert_data_parallel_world_size=None, tokens_per_step: int | None = None,
                               cost: CostModel | None = None):
     """megatron's `FullParamLayout` for all of `params`: owner-planned Muon buffers, distributed-optimizer rest.
-    `tokens_per_step` (per rank) and `cost` (e.g. `AnalyticCost.for_orthogonalizer` of the job's `MuonConfig`)
-    override `set_owner_plan`'s."""
+    `tokens_per_step` (per rank) overrides `set_owner_plan`'s; `cost` is the job's cost model (e.g.
+    `AnalyticCost.for_orthogonalizer` of its `MuonConfig`; default: from Megatron-LM's args or megatron's defaults),
+    which a cost given to `set_owner_plan` replaces (benchmarks compare cost models that way)."""
     from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.param_layout import FullParamLayout
