@@ -100,7 +100,7 @@ def train_steps(
     CUDA events on the stream (`StepTimer`), losses and grad norms are read after the last step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_muon.training.loop import _forward_step_func, _global_mean_loss
+    from megatron_muon.training.loop import forward_step, global_mean_loss
     from megatron_muon.training.step_timer import StepTimer
 
     forward_backward = get_forward_backward_func()
@@ -112,12 +112,12 @@ def train_steps(
         model.zero_grad_buffer()
         optimizer.zero_grad()
         step_losses.append(forward_backward(
-            forward_step_func=_forward_step_func, data_iterator=batches.for_step(step), model=[model],
+            forward_step_func=forward_step, data_iterator=batches.for_step(step), model=[model],
             num_microbatches=batches.num_microbatches, seq_length=recipe.model.seq_length,
             micro_batch_size=recipe.training.micro_batch_size, forward_only=False))
         timer.end_forward_backward()
         grad_norms.append(optimizer.step()[1])  # megatron returns the pre-clipping norm (a device tensor)
-    return [(step_s - optimizer_s, optimizer_s, _global_mean_loss(losses), None if norm is None else float(norm))
+    return [(step_s - optimizer_s, optimizer_s, global_mean_loss(losses), None if norm is None else float(norm))
             for (step_s, optimizer_s), losses, norm in zip(timer.read(), step_losses, grad_norms, strict=True)]
 
 

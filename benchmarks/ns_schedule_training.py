@@ -171,7 +171,7 @@ def valid_evaluator(recipe, valid_prefix: str, batches: int, ctx):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_muon.training.data import MicroBatches, build_train_dataset
-    from megatron_muon.training.loop import _forward_step_func, _global_mean_loss
+    from megatron_muon.training.loop import forward_step, global_mean_loss
 
     train = recipe.training
     dataset = build_train_dataset(replace(recipe, data=replace(recipe.data, path=[valid_prefix]),
@@ -184,8 +184,8 @@ def valid_evaluator(recipe, valid_prefix: str, batches: int, ctx):
         model.eval()
         with torch.no_grad():
             for step in range(batches):
-                losses.append(_global_mean_loss(forward_backward(
-                    forward_step_func=_forward_step_func, data_iterator=micro.for_step(step), model=[model],
+                losses.append(global_mean_loss(forward_backward(
+                    forward_step_func=forward_step, data_iterator=micro.for_step(step), model=[model],
                     num_microbatches=micro.num_microbatches, seq_length=recipe.model.seq_length,
                     micro_batch_size=train.micro_batch_size, forward_only=True)))
         model.train()
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    from megatron_muon.cli.main import _quiet_megatron
+    from megatron_muon.cli.main import quiet_megatron
     from megatron_muon.training.distributed import init_distributed, shutdown_distributed
 
     args = build_parser().parse_args(argv)
@@ -303,7 +303,7 @@ def main(argv=None) -> None:
                                     *(sys.argv[1:] if argv is None else argv)])
     # before any process group or dataset
     parse_schedules(args.schedules), parse_seeds(args.seeds), parse_kinds(args.kinds), check_overrides(args.set)
-    _quiet_megatron()
+    quiet_megatron()
     ctx = init_distributed(1, 1)
     try:
         run_benchmark(args, ctx, command)

@@ -197,7 +197,7 @@ def _report_command(log: str) -> int:
     return 0
 
 
-def _quiet_megatron() -> None:
+def quiet_megatron() -> None:
     """megatron-core announces fallbacks and deprecations at import and build time; the CLI's own lines say what
     ran, so keep the console to errors from megatron."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:
         return _unknown_arguments(unknown)
-    _quiet_megatron()
+    quiet_megatron()
     if args.command == "report":
         return _report_command(args.log)
     if args.command == "recipes":

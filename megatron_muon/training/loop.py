@@ -95,7 +95,9 @@ def lr_scheduler(recipe: Recipe, optimizer):
     )
 
 
-def _forward_step_func(data_iterator, model_chunk):
+def forward_step(data_iterator, model_chunk):
+    """megatron's `forward_step_func` for the recipe's batches: the model's output and the masked mean-loss function
+    (benchmarks that drive megatron's schedule themselves use it too)."""
     batch = next(data_iterator)
     output = model_chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     loss_mask = batch["loss_mask"]
@@ -108,7 +110,7 @@ def _forward_step_func(data_iterator, model_chunk):
     return output, loss_func
 
 
-def _global_mean_loss(losses: list[dict]) -> float:
+def global_mean_loss(losses: list[dict]) -> float:
     """Mean loss over the step's global batch, visible on every rank (only the last stage's tp-rank-0s count)."""
     from megatron.core import parallel_state as ps
 
@@ -395,7 +397,7 @@ def pretrain(recipe: Recipe, ctx: RunContext, evaluate: Callable[[Any], dict[str
             model.zero_grad_buffer()
             optimizer.zero_grad()
             losses = forward_backward(
-                forward_step_func=_forward_step_func,
+                forward_step_func=forward_step,
                 data_iterator=run.batches.for_step(step),
                 model=[model],
                 num_microbatches=run.batches.num_microbatches,
@@ -420,7 +422,7 @@ def pretrain(recipe: Recipe, ctx: RunContext, evaluate: Callable[[Any], dict[str
                                                         and done % recipe.checkpoint.save_interval == 0))
             if log_now or save_now:  # a save is not timed as part of the next step
                 for (step_s, optimizer_s), step_losses in zip(timer.read(), unread_losses, strict=True):
-                    loss = _global_mean_loss(step_losses)
+                    loss = global_mean_loss(step_losses)
                     first_loss = loss if first_loss is None else first_loss
                     last_loss = loss
                     window.add(step_s, optimizer_s, loss)

@@ -17,7 +17,7 @@ def _train_until_failure(rank, world_size, output_dir):
         "logging.progress_bar=false", f"logging.output_dir={output_dir}",
     ]), world_size)
     init_parallel_state(1, 1)
-    original, calls = loop._forward_step_func, []
+    original, calls = loop.forward_step, []
 
     def failing_forward_step(data_iterator, model_chunk):
         calls.append(None)
@@ -25,13 +25,13 @@ def _train_until_failure(rank, world_size, output_dir):
             raise RuntimeError("injected failure")
         return original(data_iterator, model_chunk)
 
-    loop._forward_step_func = failing_forward_step
+    loop.forward_step = failing_forward_step
     try:
         loop.pretrain(recipe, current_context())
     except RuntimeError as error:
         return str(error)
     finally:
-        loop._forward_step_func = original
+        loop.forward_step = original
     return None
 
 

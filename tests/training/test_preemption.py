@@ -26,7 +26,7 @@ def _train(rank, world_size, run_dir, signalled_rank, train_iters, load, handler
     recipe = validate(load_recipe("tiny-cpu", overrides + ([f"checkpoint.load={run_dir}/ckpt"] if load else [])),
                       world_size)
     init_parallel_state(1, 1)
-    original, calls = loop._forward_step_func, []
+    original, calls = loop.forward_step, []
 
     def forward_step(data_iterator, model_chunk):
         calls.append(None)
@@ -35,11 +35,11 @@ def _train(rank, world_size, run_dir, signalled_rank, train_iters, load, handler
         return original(data_iterator, model_chunk)
 
     before = signal.getsignal(signal.SIGTERM)
-    loop._forward_step_func = forward_step
+    loop.forward_step = forward_step
     try:
         summary = loop.pretrain(recipe, current_context())
     finally:
-        loop._forward_step_func = original
+        loop.forward_step = original
     return summary, signal.getsignal(signal.SIGTERM) is before
 
 

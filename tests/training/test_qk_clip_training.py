@@ -29,7 +29,7 @@ def _train_and_probe(rank, world_size, output_dir: str, overrides: list[str]):
     recipe = validate(load_recipe("tiny-cpu", TINY + overrides + [f"logging.output_dir={output_dir}"]), world_size)
     init_parallel_state(1, 1)
     probes, batches = [], []
-    forward_step, after_step = loop._forward_step_func, qk_clip.QkClipAfterStep.after_step
+    forward_step, after_step = loop.forward_step, qk_clip.QkClipAfterStep.after_step
 
     def remembering_forward_step(data_iterator, model_chunk):
         batches.append(next(data_iterator))
@@ -54,11 +54,11 @@ def _train_and_probe(rank, world_size, output_dir: str, overrides: list[str]):
         after_step(self, update_ok)
         probes.append((recorded, before, maxima_on(self.model_chunks[0], layers, batches[-1])))
 
-    loop._forward_step_func, qk_clip.QkClipAfterStep.after_step = remembering_forward_step, probing_after_step
+    loop.forward_step, qk_clip.QkClipAfterStep.after_step = remembering_forward_step, probing_after_step
     try:
         loop.pretrain(recipe, current_context())
     finally:  # the pool's rank outlives this call
-        loop._forward_step_func, qk_clip.QkClipAfterStep.after_step = forward_step, after_step
+        loop.forward_step, qk_clip.QkClipAfterStep.after_step = forward_step, after_step
     return probes, read_jsonl(f"{output_dir}/train_log.jsonl")
 
 
