@@ -1,5 +1,6 @@
-"""Structure the package keeps: no import cycles between its modules (module-level or deferred imports alike), and
-no library code that writes environment variables (settings travel as values)."""
+"""Structure the package keeps: no import cycles between its modules (module-level or deferred imports alike), no
+library code that writes environment variables (settings travel as values), no private names imported across
+modules."""
 
 import ast
 from pathlib import Path
@@ -91,3 +92,15 @@ def test_megatron_glue_holds_no_kernels():
     glue = [str(path.relative_to(PACKAGE)) for path in (PACKAGE / "megatron").rglob("*.py")
             if "triton.jit" in path.read_text() or "import triton" in path.read_text()]
     assert glue == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    """Private names stay inside their module; what another module (or a benchmark) needs is public."""
+    found = []
+    for root in (PACKAGE, PACKAGE.parent / "benchmarks"):
+        for path in root.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_muon"):
+                    found += [f"{path.name}:{node.lineno} {node.module}.{alias.name}" for alias in node.names
+                              if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert found == []

@@ -96,7 +96,7 @@ class MeasuredCost:
         return fit[1] if fit else self.fallback.matrix_cost(shape) * self._scale
 
 
-class _CachedCost:
+class CachedCost:
     """Per-shape memo of a cost model (planning asks for the same few shapes thousands of times)."""
 
     def __init__(self, inner: CostModel):

@@ -24,7 +24,7 @@ from megatron_muon.distributed.cost import (  # noqa: F401  (re-exported: the pl
     CostModel,
     MeasuredCost,
     Shape,
-    _CachedCost,
+    CachedCost,
     newton_schulz_flops,
 )
 
@@ -354,7 +354,7 @@ def plan_owners(
     method: "milp", "lpt", or "auto" (MILP when small enough and scipy is installed, else LPT; the better of the
     two is kept)."""
     matrices = tuple(matrices)
-    cost = _CachedCost(cost or AnalyticCost())
+    cost = CachedCost(cost or AnalyticCost())
     if method not in ("auto", "milp", "lpt"):
         raise ValueError(f"method must be 'auto', 'milp' or 'lpt', got {method!r}")
     names = [m.name for m in matrices]
