@@ -9,7 +9,9 @@
 - ``torch``: the pure-torch chunked implementation; always used for CPU tensors, on CUDA only when asked for.
 
 ``MEGATRON_MUON_GDN_BACKEND`` (auto | fla-triton | fla-tilelang | torch) or ``set_backend`` overrides the automatic
-choice; an override that would run a known-wrong kernel raises instead. The choice is a process-wide constant read
+choice; an override that would run a known-wrong kernel raises instead. Forcing ``fla-triton`` where TileLang is
+installed also needs ``FLA_TILELANG=0`` in the job's environment (FLA reads it at every call; the plugin writes no
+environment), and says so. The choice is a process-wide constant read
 inside the ops' kernels, so it never becomes a guard in a compiled graph.
 """
 
