@@ -139,7 +139,7 @@ def variant_recipe(base, variant: Variant, world: int):
 def run_variant(base_recipe, variant: Variant, ctx, args, timer: NewtonSchulzTimer) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_muon.megatron.owner_layout import set_owner_plan
+    from megatron_muon.megatron.owner_layout import OwnerPlanSettings
     from megatron_muon.metrics import MfuCalculator, peak_tflops
     from megatron_muon.training.data import MicroBatches, build_train_dataset
     from megatron_muon.training.validation import model_shape
@@ -155,8 +155,8 @@ def run_variant(base_recipe, variant: Variant, ctx, args, timer: NewtonSchulzTim
     start = time.perf_counter()
     model = optimizer = None
     try:
-        set_owner_plan(variant.plan_method, variant.plan_cost)
-        model, optimizer, _ = build_rung(recipe, rung, ctx.device.type == "cuda")
+        plan = OwnerPlanSettings(variant.plan_method, variant.plan_cost)
+        model, optimizer, _ = build_rung(recipe, rung, ctx.device.type == "cuda", owner_plan=plan)
         for member in getattr(optimizer, "chained_optimizers", []):
             if hasattr(member, "overlap_newton_schulz"):
                 member.overlap_newton_schulz = variant.overlap_newton_schulz

@@ -56,8 +56,9 @@ def rung_recipe(recipe, rung: Rung):
                    training=replace(recipe.training, torch_compile=rung.compiled))
 
 
-def build_rung(recipe, rung: Rung, on_gpu: bool):
-    """(DDP-wrapped model, megatron optimizer, config) for the rung, from the recipe's seed."""
+def build_rung(recipe, rung: Rung, on_gpu: bool, owner_plan=None):
+    """(DDP-wrapped model, megatron optimizer, config) for the rung, from the recipe's seed; `owner_plan`: the owner
+    engine's `OwnerPlanSettings` (default: the training CLI's)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -80,7 +81,7 @@ def build_rung(recipe, rung: Rung, on_gpu: bool):
         module = build_model(recipe, config)
     if rung.compiled:
         module.forward = torch.compile(module.forward, mode=recipe.training.compile_mode)
-    model = wrap_model(module, config, recipe, fast_main_grad_add=rung.main_grad_add)
+    model = wrap_model(module, config, recipe, fast_main_grad_add=rung.main_grad_add, owner_plan=owner_plan)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     install_fast_paths(optimizer, [model], fused_adam=rung.fused_adam, one_pass_adamw=rung.one_pass_adamw,
                        muon_clip_in_momentum=rung.muon_clip_in_momentum, muon_model_copy=rung.muon_model_copy,

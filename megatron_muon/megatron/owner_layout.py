@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,21 +22,26 @@ from megatron_muon.optimizer.routing import is_muon_param, matrix_layout, piece_
 
 TAG = "is_managed_by_layer_wise_optimizer"  # megatron's attribute that splits DDP buffers (BufferKey)
 
-# How the layouts built from now on plan owners (`set_owner_plan`).
-_settings: dict = {"method": "auto", "cost": None, "tokens_per_step": None}
+PLAN_METHODS = ("auto", "milp", "greedy")
 
 
-def set_owner_plan(method: str = "auto", cost: CostModel | None = None, tokens_per_step: int | None = None) -> None:
-    """Owner planning for layouts computed after this call: `method` "auto", "milp" or "greedy"; `cost` a
-    `distributed.cost.CostModel` (default: Newton–Schulz FLOPs). `tokens_per_step` (per rank) tells the plan how long
-    the backward runs after each bucket and counts work released early as hidden behind it: right where the backward
-    leaves the GPU idle (a network-bound step), wrong where it keeps the GPU busy, which is why the default (None)
-    balances every rank's total work."""
-    if method not in ("auto", "milp", "greedy"):
-        raise ValueError(f"owner plan method must be 'auto', 'milp' or 'greedy', got {method!r}")
-    if tokens_per_step is not None and tokens_per_step < 1:
-        raise ValueError(f"tokens_per_step must be a positive int or None, got {tokens_per_step}")
-    _settings.update(method=method, cost=cost, tokens_per_step=tokens_per_step)
+@dataclass(frozen=True)
+class OwnerPlanSettings:
+    """How a layout plans owners: `method` "auto" (MILP, LPT when it times out), "milp" or "greedy"; `cost` a
+    `distributed.cost.CostModel` (None: the Newton–Schulz FLOPs of the job's own settings). `tokens_per_step` (per
+    rank) tells the plan how long the backward runs after each bucket and counts work released early as hidden
+    behind it: right where the backward leaves the GPU idle (a network-bound step), wrong where it keeps the GPU
+    busy, which is why the default (None) balances every rank's total work."""
+
+    method: str = "auto"
+    cost: CostModel | None = None
+    tokens_per_step: int | None = None
+
+    def __post_init__(self):
+        if self.method not in PLAN_METHODS:
+            raise ValueError(f"owner plan method must be one of {PLAN_METHODS}, got {self.method!r}")
+        if self.tokens_per_step is not None and self.tokens_per_step < 1:
+            raise ValueError(f"tokens_per_step must be a positive int or None, got {self.tokens_per_step}")
 
 
 def tag_fused_projections(model_chunks) -> None:
@@ -116,21 +121,21 @@ def _default_cost() -> CostModel:
     return AnalyticCost.for_orthogonalizer(config.orthogonalizer)
 
 
-def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=None, tokens_per_step=None,
-                        cost: CostModel | None = None):
+def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=None,
+                        plan_settings: OwnerPlanSettings = OwnerPlanSettings()):
     """megatron's PerBufferParamLayout for one Muon buffer: owner-planned, whole matrices per shard."""
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.optimizer.param_layout import PerBufferParamLayout
 
-    cost = _settings["cost"] or cost or _default_cost()  # an explicit set_owner_plan cost is an experiment's
+    cost = plan_settings.cost or _default_cost()
     items = layout_items(params, cost, _tp_size())
-    tokens = tokens_per_step or _settings["tokens_per_step"]
+    tokens = plan_settings.tokens_per_step
     # a matrix's weight and input gradients are ~4·tokens FLOPs per element, at the cost model's rate
     per_element = 4.0 * tokens / getattr(cost, "flops_per_s", AnalyticCost().flops_per_s) if tokens else 0.0
     divisor = math.lcm(LayerWiseDistributedOptimizer._shard_divisor(dp, ddp_config), 64)
     grid = _stage_grid() if dp > 1 else None
     first = grid is None or grid.slot == 0  # only the first rank solves; the others adopt its plan
-    plan = plan_owner_layout(items, dp, bucket_size, divisor, per_element, _settings["method"] if first else "greedy")
+    plan = plan_owner_layout(items, dp, bucket_size, divisor, per_element, plan_settings.method if first else "greedy")
     if grid is not None:
         methods = ("greedy", "milp")
         shared = grid.broadcast_from_first_slot(torch.tensor([*plan.owners, methods.index(plan.method)])).tolist()
@@ -152,12 +157,10 @@ def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=
 
 
 def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp_config,
-                              expert_data_parallel_world_size=None, tokens_per_step: int | None = None,
-                              cost: CostModel | None = None):
-    """megatron's `FullParamLayout` for all of `params`: owner-planned Muon buffers, distributed-optimizer rest.
-    `tokens_per_step` (per rank) overrides `set_owner_plan`'s; `cost` is the job's cost model (e.g.
-    `AnalyticCost.for_orthogonalizer` of its `MuonConfig`; default: from Megatron-LM's args or megatron's defaults),
-    which a cost given to `set_owner_plan` replaces (benchmarks compare cost models that way)."""
+                              expert_data_parallel_world_size=None,
+                              plan_settings: OwnerPlanSettings = OwnerPlanSettings()):
+    """megatron's `FullParamLayout` for all of `params`: owner-planned Muon buffers (as `plan_settings` say; the
+    training CLI passes the cost of its recipe's Newton–Schulz settings), distributed-optimizer rest."""
     from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.param_layout import FullParamLayout
@@ -171,8 +174,7 @@ def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp
             if key.is_expert_parallel:
                 raise ValueError("expert-parallel Muon matrices are not laid out by owner yet; use --optimizer muon "
                                  "without --use-distributed-optimizer for MoE models")
-            layouts[key] = owner_buffer_layout(group, bucket_size, dp, ddp_config, param_indices, tokens_per_step,
-                                               cost)
+            layouts[key] = owner_buffer_layout(group, bucket_size, dp, ddp_config, param_indices, plan_settings)
         else:
             layouts[key] = DistributedOptimizer._compute_per_buffer_param_layout(
                 group, bucket_size, dp, ddp_config, param_indices)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -131,13 +132,18 @@ def uses_owner_engine(recipe: Recipe) -> bool:
     return name == "dist_muon" or (name == "muon" and recipe.parallel.use_distributed_optimizer)
 
 
-def _owner_layout(module, ddp_config, recipe: Recipe):
-    """The owner-planned DDP layout, with DDP's own bucket size rule."""
+def _owner_layout(module, ddp_config, recipe: Recipe, owner_plan=None):
+    """The owner-planned DDP layout, with DDP's own bucket size rule; `owner_plan` (an `OwnerPlanSettings`) without a
+    cost gets the cost of the recipe's Newton–Schulz settings."""
     from megatron.core import parallel_state as ps
 
     from megatron_muon.distributed.cost import AnalyticCost
     from megatron_muon.megatron.muon_config import MuonConfig
-    from megatron_muon.megatron.owner_layout import compute_full_param_layout, tag_params_for_owner_buffers
+    from megatron_muon.megatron.owner_layout import (
+        OwnerPlanSettings,
+        compute_full_param_layout,
+        tag_params_for_owner_buffers,
+    )
 
     tag_params_for_owner_buffers([module])
     dp = ps.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
@@ -145,15 +151,18 @@ def _owner_layout(module, ddp_config, recipe: Recipe):
     if not ddp_config.overlap_grad_reduce or ps.get_pipeline_model_parallel_rank() > 0:
         bucket_size = None  # as DDP does: one bucket when nothing overlaps the backward
     params = [p for p in module.parameters() if p.requires_grad]
-    orthogonalizer = MuonConfig.from_options(recipe.optimizer).orthogonalizer  # what the optimizer will run
-    return compute_full_param_layout(params, bucket_size, dp, ddp_config,
-                                     cost=AnalyticCost.for_orthogonalizer(orthogonalizer))
+    plan = owner_plan or OwnerPlanSettings()
+    if plan.cost is None:
+        orthogonalizer = MuonConfig.from_options(recipe.optimizer).orthogonalizer  # what the optimizer will run
+        plan = replace(plan, cost=AnalyticCost.for_orthogonalizer(orthogonalizer))
+    return compute_full_param_layout(params, bucket_size, dp, ddp_config, plan_settings=plan)
 
 
-def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True):
+def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True, owner_plan=None):
     """Float16Module for bf16/fp16, then megatron DDP with fp32 grad reduction: the pretrain_gpt.py wrapping.
     fast_main_grad_add: accumulate gradients into DDP's fp32 buffers in one vectorized pass
-    (`megatron.main_grad_add`) instead of megatron's mixed-dtype `add_`."""
+    (`megatron.main_grad_add`) instead of megatron's mixed-dtype `add_`. owner_plan: how the owner engine's layout
+    plans owners (`megatron.owner_layout.OwnerPlanSettings`; default: MILP on the recipe's Newton–Schulz FLOPs)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -169,7 +178,7 @@ def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True):
     )
     if recipe.training.precision in ("bf16", "fp16"):
         module = Float16Module(config, module)
-    layout = _owner_layout(module, ddp_config, recipe) if owner else None  # after the cast: buffers key on dtype
+    layout = _owner_layout(module, ddp_config, recipe, owner_plan) if owner else None  # after the cast: buffers key on dtype
     model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
     model.broadcast_params()
     if fast_main_grad_add:

@@ -76,3 +76,10 @@ def test_the_owner_plan_costs_the_jobs_own_iterations(monkeypatch):
     assert owner_layout._default_cost() == AnalyticCost.for_orthogonalizer(MuonConfig().orthogonalizer)
     four = AnalyticCost.for_orthogonalizer(Orthogonalizer(4))
     assert four.matrix_cost((512, 512)) == pytest.approx(AnalyticCost(steps=5).matrix_cost((512, 512)) * 4 / 5)
+
+
+def test_owner_plan_settings_name_the_fix():
+    with pytest.raises(ValueError, match="'auto', 'milp', 'greedy'"):
+        owner_layout.OwnerPlanSettings(method="lpt")
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        owner_layout.OwnerPlanSettings(tokens_per_step=0)
