@@ -13,6 +13,7 @@ replacements, and are not listed.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -131,12 +132,18 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+@functools.cache
+def _per_instance_target(cls: type, name: str) -> str | None:
+    """The declared per-instance target for `name` on instances of `cls` (some patches are set on every step)."""
+    declared = {p.target for p in PATCHES if p.per_instance}
+    return next((f"{_class_path(base)}.{name}" for base in cls.__mro__
+                 if f"{_class_path(base)}.{name}" in declared), None)
+
+
 def replace_method(obj, name: str, replacement) -> None:
     """Shadow method `name` on one megatron object with `replacement`, as a declared per-instance patch of a class
     in its MRO; `del obj.<name>` undoes it."""
-    declared = {p.target for p in PATCHES if p.per_instance}
-    target = next((f"{_class_path(cls)}.{name}" for cls in type(obj).__mro__
-                   if f"{_class_path(cls)}.{name}" in declared), None)
+    target = _per_instance_target(type(obj), name)
     assert target is not None, f"{_class_path(type(obj))}.{name} is not declared in megatron_muon.patches.PATCHES"
     setattr(obj, name, replacement)
     _shadowed.setdefault(target, weakref.WeakSet()).add(obj)

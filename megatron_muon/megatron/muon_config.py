@@ -21,6 +21,7 @@ from megatron_muon.optimizer.routing import MatrixLayout, matrix_layout, tag_fus
 
 # muon_fp32_matmul_prec → Newton–Schulz iteration dtype ("medium": the kernel's bf16/fp16 choice).
 _MATMUL_PRECISION_DTYPES = {"medium": None, "high": torch.float32, "highest": torch.float32}
+MEGATRON_COEFFICIENT_TYPE = "quintic"  # OptimizerConfig.muon_coefficient_type's default
 
 
 def megatron_coefficient_schedule(name: str, steps: int) -> list[tuple[float, float, float]]:
@@ -38,7 +39,7 @@ class MuonConfig:
     """The Muon-specific settings of one training job (megatron's defaults; lr and weight decay stay megatron's)."""
 
     orthogonalizer: Orthogonalizer = field(default_factory=lambda: Orthogonalizer(
-        5, tuple(megatron_coefficient_schedule("quintic", 5))))
+        5, tuple(megatron_coefficient_schedule(MEGATRON_COEFFICIENT_TYPE, 5))))
     momentum: float = 0.95
     nesterov: bool = False
     scale_mode: str = "spectral"
@@ -56,7 +57,7 @@ class MuonConfig:
             raise ValueError(
                 f"unknown muon_fp32_matmul_prec {precision!r}; valid choices: {sorted(_MATMUL_PRECISION_DTYPES)}")
         steps = getattr(options, "muon_num_ns_steps", defaults.orthogonalizer.steps)
-        schedule = megatron_coefficient_schedule(getattr(options, "muon_coefficient_type", "quintic"), steps)
+        schedule = megatron_coefficient_schedule(getattr(options, "muon_coefficient_type", MEGATRON_COEFFICIENT_TYPE), steps)
         return cls(
             orthogonalizer=Orthogonalizer(steps, tuple(schedule), getattr(options, "muon_ns_method", "auto"),
                                           compute_dtype=_MATMUL_PRECISION_DTYPES[precision]),
