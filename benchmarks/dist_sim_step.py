@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,11 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_env import package_versions, write_table_and_rows  # noqa: E402
 from e2e import _free_memory, _git_revision, train_steps  # noqa: E402
 
-VARIANTS = {
-    "adam": ("megatron DistributedOptimizer, AdamW (fused)", "adam", True),
-    "ours": ("muon + distributed optimizer: owner engine, Newton-Schulz in the backward", "muon", True),
-    "ours-graphs": ("owner engine, Newton-Schulz in the backward replayed from CUDA graphs", "muon", "graphs"),
-    "ours-after": ("owner engine, Newton-Schulz after the backward", "muon", False),
+VARIANTS = {  # label, optimizer, where Newton-Schulz runs, whether the step runs on a high-priority stream
+    "adam": ("megatron DistributedOptimizer, AdamW (fused)", "adam", True, False),
+    "ours": ("muon + distributed optimizer: owner engine, Newton-Schulz in the backward", "muon", True, False),
+    "ours-graphs": ("owner engine, Newton-Schulz in the backward replayed from CUDA graphs", "muon", "graphs", False),
+    "ours-after": ("owner engine, Newton-Schulz after the backward", "muon", False, False),
+    "adam-priority": ("AdamW, the step on a high-priority stream", "adam", True, True),
+    "ours-priority": ("owner engine, the step on a high-priority stream above its Newton-Schulz", "muon", True, True),
 }
 
 
@@ -66,6 +70,16 @@ def join_fake_group(world: int, rank: int) -> None:
     torch.distributed.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     local_collectives(world)
+
+
+def leave_fake_group() -> None:
+    """Undo `join_fake_group`, so a caller in the same process (a test session) can build its own groups."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def build(recipe, owner_overlap: bool):
@@ -112,7 +126,7 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
     from megatron_muon.metrics.memory import measured_memory
     from megatron_muon.training.data import MicroBatches, build_train_dataset
 
-    label, name, overlap = VARIANTS[key]
+    label, name, overlap, high_priority = VARIANTS[key]
     micro = args.micro_batches
     recipe = replace(base, optimizer=replace(base.optimizer, name=name),
                      parallel=replace(base.parallel, data_parallel_size=world, overlap_grad_reduce=True,
@@ -122,40 +136,44 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
     join_fake_group(world, rank)
     _free_memory()
     model = optimizer = None
+    # a high-priority step stream: the backward's blocks go first, the side stream's Newton-Schulz fills what is left
+    step_stream = torch.cuda.Stream(priority=-1) if high_priority and torch.cuda.is_available() else None
     try:
-        model, optimizer = build(recipe, overlap)
-        batches = MicroBatches(build_train_dataset(recipe, args.data_dir), 1, world * micro,
-                               ps.get_data_parallel_rank(), world,
-                               torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-        records = train_steps(model, optimizer, batches, recipe, args.steps)[args.warmup:]
-        if args.timeline == f"{key}@{world}":
-            row["timeline"] = stream_overlap(lambda: train_steps(model, optimizer, batches, recipe, 1, args.steps + 2))
-            print(json.dumps(row["timeline"]), flush=True)
-        if args.profile == f"{key}@{world}":  # two more steps: the kernels, categories and idle gaps
-            from types import SimpleNamespace
+        with torch.cuda.stream(step_stream) if step_stream is not None else contextlib.nullcontext():
+            model, optimizer = build(recipe, overlap)
+            batches = MicroBatches(build_train_dataset(recipe, args.data_dir), 1, world * micro,
+                                   ps.get_data_parallel_rank(), world,
+                                   torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+            records = train_steps(model, optimizer, batches, recipe, args.steps)[args.warmup:]
+            if args.timeline == f"{key}@{world}":
+                row["timeline"] = stream_overlap(
+                    lambda: train_steps(model, optimizer, batches, recipe, 1, args.steps + 2))
+                print(json.dumps(row["timeline"]), flush=True)
+            if args.profile == f"{key}@{world}":  # two more steps: the kernels, categories and idle gaps
+                from types import SimpleNamespace
 
-            from e2e_report import write_profile
+                from e2e_report import write_profile
 
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            write_profile(args.out.with_name(f"{args.out.stem}_profile_{key}_w{world}.md"),
-                          SimpleNamespace(key=f"{key} at W={world}", label=label),
-                          lambda: train_steps(model, optimizer, batches, recipe, 2, args.steps))
-        engines = [e for m in getattr(optimizer, "chained_optimizers", []) for e in getattr(m, "engines", [])]
-        if args.digest:
-            row["param_digest"] = param_digest(model)
-        memory = measured_memory([model], optimizer)
-        row.update(step_ms=statistics.median(f + o for f, o, _, _ in records) * 1e3,
-                   fwd_bwd_ms=statistics.median(f for f, _, _, _ in records) * 1e3,
-                   optimizer_ms=statistics.median(o for _, o, _, _ in records) * 1e3,
-                   speculated=sum(e.speculated_buckets for e in engines),
-                   speculation_used=sum(e.speculation_used for e in engines),
-                   speculation_discarded=sum(e.speculation_discarded for e in engines),
-                   graphs={"captures": sum(e.graphs.captures for e in engines),
-                           "replays": sum(e.graphs.replays for e in engines),
-                           "disabled": next((e.graphs.disabled for e in engines if e.graphs.disabled), None)},
-                   optimizer_state_gib=memory.optimizer_state_bytes / 2**30,
-                   peak_gib=None if memory.peak_bytes is None else memory.peak_bytes / 2**30,
-                   plan=plan_summary(model, rank))
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                write_profile(args.out.with_name(f"{args.out.stem}_profile_{key}_w{world}.md"),
+                              SimpleNamespace(key=f"{key} at W={world}", label=label),
+                              lambda: train_steps(model, optimizer, batches, recipe, 2, args.steps))
+            engines = [e for m in getattr(optimizer, "chained_optimizers", []) for e in getattr(m, "engines", [])]
+            if args.digest:
+                row["param_digest"] = param_digest(model)
+            memory = measured_memory([model], optimizer)
+            row.update(step_ms=statistics.median(f + o for f, o, _, _ in records) * 1e3,
+                       fwd_bwd_ms=statistics.median(f for f, _, _, _ in records) * 1e3,
+                       optimizer_ms=statistics.median(o for _, o, _, _ in records) * 1e3,
+                       speculated=sum(e.speculated_buckets for e in engines),
+                       speculation_used=sum(e.speculation_used for e in engines),
+                       speculation_discarded=sum(e.speculation_discarded for e in engines),
+                       graphs={"captures": sum(e.graphs.captures for e in engines),
+                               "replays": sum(e.graphs.replays for e in engines),
+                               "disabled": next((e.graphs.disabled for e in engines if e.graphs.disabled), None)},
+                       optimizer_state_gib=memory.optimizer_state_bytes / 2**30,
+                       peak_gib=None if memory.peak_bytes is None else memory.peak_bytes / 2**30,
+                       plan=plan_summary(model, rank))
     except Exception as error:  # an OOM in one variant must not hide the others
         row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
         traceback.print_exc()
@@ -281,6 +299,9 @@ def main(argv=None) -> None:
     parser.add_argument("--revision", default=None)
     parser.add_argument("--digest", action="store_true", help="record a hash of the parameters after the steps")
     parser.add_argument("--cpu", action="store_true", help="a smoke run in CPU mode (no timing meaning)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch's deterministic algorithms (needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before the "
+                             "run): tells a nondeterministic kernel from a race when --digest runs disagree")
     parser.add_argument("--timeline", default=None, metavar="VARIANT@W",
                         help="one more step of this variant profiled: side-stream Newton-Schulz against the backward")
     parser.add_argument("--profile", default=None, metavar="VARIANT@W",
@@ -296,6 +317,11 @@ def main(argv=None) -> None:
         enable_cpu_mode()
     elif not torch.cuda.is_available():
         raise SystemExit("dist_sim_step measures a GPU step; run it on a CUDA machine (or --cpu for a smoke run)")
+    if args.deterministic:
+        if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+            raise SystemExit("--deterministic needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment (cuBLAS reads "
+                             "it when it starts)")
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
     from megatron_muon import register
     from megatron_muon.training.recipes import load_recipe
@@ -305,7 +331,8 @@ def main(argv=None) -> None:
     meta = {"recipe": args.recipe, "overrides": args.set,
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
             "steps": args.steps, "warmup": args.warmup, "seq_length": recipe.model.seq_length,
-            "micro_batches": args.micro_batches, "revision": args.revision or _git_revision(),
+            "micro_batches": args.micro_batches, "deterministic": args.deterministic,
+            "revision": args.revision or _git_revision(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python " + " ".join(sys.argv), "versions": package_versions()}
     rows = []
@@ -313,6 +340,7 @@ def main(argv=None) -> None:
         for key in keys:
             rows.append(run(recipe, key, world, args.rank, args))
             write_report(args.out, rows, meta)  # a run cut short keeps its numbers
+    leave_fake_group()
     return rows
 
 

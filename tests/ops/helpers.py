@@ -1,5 +1,8 @@
 """Shared input builders and FLA's error-ratio check for the GDN op tests."""
 
+import importlib.util
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -39,3 +42,22 @@ def gdn_inputs(batch, seq_len, heads, value_heads, key_dim, value_dim, *, dtype=
     h0 = randn(num_states or batch, value_heads, key_dim, value_dim)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     return [x.to(device) for x in (q, k, v, g, beta, h0)]
+
+
+def _why_flas_gpu_backward_cannot_run() -> str | None:
+    """None where FLA's gated output-gradient kernel runs correctly: FLA installed on a GPU, and Triton does not
+    miscompile it on this device or FLA sends it to TileLang (FLA raises otherwise, FLA issue #640)."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if importlib.util.find_spec("fla") is None:
+        return "needs flash-linear-attention (the gdn extra)"
+    from megatron_muon.ops import backend
+
+    if backend.hardware().fla_triton_correct or backend._fla_will_use_tilelang():
+        return None
+    return ("compares with FLA's GPU backward, which on Hopper with Triton < 3.7.1 runs only through TileLang "
+            "(pip install tilelang==0.1.15)")
+
+
+_FLA_BACKWARD_MISSING = _why_flas_gpu_backward_cannot_run()
+needs_flas_gpu_backward = pytest.mark.skipif(_FLA_BACKWARD_MISSING is not None, reason=_FLA_BACKWARD_MISSING or "")

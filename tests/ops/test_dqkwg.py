@@ -9,6 +9,7 @@ import torch
 
 from megatron_muon.ops import dqkwg
 from tests.interpreter import run_under_interpreter
+from tests.ops.helpers import needs_flas_gpu_backward
 from tests.ops.test_state_tma import _hybrid_inputs, _relative, needs_gpu
 
 
@@ -43,6 +44,7 @@ def _hybrid_grad_inputs(seq_len):
 
 @pytest.mark.gpu
 @needs_gpu
+@needs_flas_gpu_backward
 @pytest.mark.parametrize("config", [None, *dqkwg.CONFIGS], ids=str)
 def test_output_gradients_equal_flas_kernel_at_the_hybrid_shape(config):
     """bf16, 6 heads, key 256, value 512: at 16k tokens within 1e-2 of FLA's kernel; at 2k no further from the fp32

@@ -9,6 +9,7 @@ import torch
 
 from megatron_muon.ops import dqkwg, kernel_choice, state_tma, state_ws
 from tests.interpreter import run_under_interpreter
+from tests.ops.helpers import needs_flas_gpu_backward
 
 OUR_KERNELS = [(state_ws, "chunk_fwd_h"), (state_ws, "chunk_dhu"), (state_tma, "chunk_fwd_h"),
                (state_tma, "chunk_dhu"), (dqkwg, "chunk_dqkwg")]
@@ -149,6 +150,7 @@ def test_gdn_op_on_our_kernels_matches_the_torch_backend(monkeypatch, seq_len, k
 
 @pytest.mark.gpu
 @needs_gpu
+@needs_flas_gpu_backward
 def test_gdn_op_keeps_flas_kernels_when_asked(monkeypatch):
     """MEGATRON_MUON_GDN_KERNELS=fla: the GDN op matches the torch backend and neither of our kernels runs."""
     from tests.ops import test_gdn_gpu
