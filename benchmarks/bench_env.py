@@ -7,7 +7,7 @@ from importlib import metadata
 
 import torch
 
-PACKAGES = ("triton", "megatron-core", "fla-core", "tilelang")
+PACKAGES = ("triton", "megatron-core", "fla-core", "tilelang", "flash-qla")
 
 
 def package_versions() -> dict[str, str]:

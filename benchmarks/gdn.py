@@ -1,15 +1,20 @@
-"""GDN layer forward+backward at the reference workload's size, every implementation in one run (GPU).
+"""GDN layer forward+backward at a reference workload's size, every implementation in one run (GPU).
 
-Variants, each timed on the same random input [B=1, T, hidden=2048] in bf16 (hybrid-1.5B GDN: 6 heads, key head dim
-256, value head dim 512, conv 4):
+Variants, each timed on the same random input [B=1, T, hidden=2048] in bf16 (--sizes hybrid-1.5b, the default: GDN
+6 heads, key head dim 256, value head dim 512, conv 4; --sizes qwen3-next: 16 q/k heads and 32 value heads of 128):
   ours eager / ours compiled   megatron_muon.layers.gated_deltanet.GatedDeltaNet (local spec, tp=1) on our custom ops
-  fla eager / fla compiled     fla.layers.GatedDeltaNet (flash-linear-attention 0.6)
+  fla eager / fla compiled     fla.layers.GatedDeltaNet (flash-linear-attention 0.6; FLA itself hands K = V = 128
+                               calls to FlashQLA where flash-qla is installed)
   megatron-core eager          megatron.core.ssm.gated_delta_net.GatedDeltaNet with a local (non-TE) spec
 Compiled variants report Dynamo's graph-break count and number of graphs. Ours and megatron-core share the
 parameter layout, so ours is also checked against megatron-core's output on the same weights.
 
     python benchmarks/gdn.py --out benchmarks/results/gdn.md --profile
+    python benchmarks/gdn.py --sizes qwen3-next --chunk-op --out benchmarks/results/gdn_chunk_qwen3_next.md
     python benchmarks/gdn.py --device cpu --seq-len 128 --tiny      # smoke run of the script itself (torch backend)
+
+--chunk-op times the chunk op alone instead of the layer: ours (FlashQLA turned off and, where it runs, dispatched to
+FlashQLA), FLA's own kernels and FlashQLA called directly, on one input (gdn_chunk_op.py).
 
 --profile adds, for our compiled layer and FLA's eager layer, a torch.profiler table of the kernels that take the
 most time per fwd+bwd step (CPU ops when run on the CPU), so the report shows where the time goes.
@@ -33,9 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import package_versions  # noqa: E402
+from gdn_chunk_op import (against_flashqla, chunk_op_inputs, chunk_op_variants, make_chunk_step,  # noqa: E402
+                          output_agreement)
 
 REFERENCE = dict(hidden=2048, key_heads=6, value_heads=6, key_dim=256, value_dim=512, conv=4)
+QWEN3_NEXT = dict(hidden=2048, key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv=4)
 TINY = dict(hidden=64, key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv=4)
+SIZES = {"hybrid-1.5b": REFERENCE, "qwen3-next": QWEN3_NEXT, "tiny": TINY}
 PROFILED = ("ours compiled", "fla eager")
 PROFILE_STEPS = 3
 
@@ -252,12 +261,13 @@ def compare_to_megatron_core(ours, reference, x) -> str:
 
 
 def write_report(path, rows, meta, args, echo=True):
-    fla_times = [r["ms"] for r in rows if r["name"].startswith("fla") and "ms" in r]
+    fla_times = [r["ms"] for r in rows if r["name"].startswith("fla ") and "ms" in r]
     best_fla = min(fla_times) if fla_times else None
-    fla_stream = [r["stream_ms"] for r in rows if r["name"].startswith("fla") and "stream_ms" in r]
+    fla_stream = [r["stream_ms"] for r in rows if r["name"].startswith("fla ") and "stream_ms" in r]
     best_fla_stream = min(fla_stream) if fla_stream else None
+    what = "chunk op" if args.chunk_op else "layer"
     lines = [
-        "# GDN layer forward+backward (B=1, T={}, bf16)".format(args.seq_len), "",
+        f"# GDN {what} forward+backward (B=1, T={args.seq_len}, bf16)", "",
         f"- date: {meta['date']}", f"- device: {meta['device']}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         f"- our GDN backend: {meta['backend']}", f"- sizes: {meta['sizes']}",
@@ -265,9 +275,11 @@ def write_report(path, rows, meta, args, echo=True):
         "(CUDA events, synchronized after each call); 'back-to-back': mean of the same number of calls issued without "
         "a sync in between (the CPU runs ahead, as inside a model); 'first call' includes compilation, autotuning "
         "and JIT",
-        f"- ours vs megatron-core output on the same weights: rel. error {meta.get('agreement', 'n/a')}",
-        "- 'ours' times the local spec's GDN with out_proj's RowParallelLinear passing its own tp group; the spec as "
-        f"shipped has graph breaks: {meta.get('shipped_breaks', 'same layer, see the table')}", "",
+        f"- {meta.get('agreement_of', 'ours vs megatron-core output on the same weights')}: rel. error "
+        f"{meta.get('agreement', 'n/a')}",
+        *([] if args.chunk_op else [
+            "- 'ours' times the local spec's GDN with out_proj's RowParallelLinear passing its own tp group; the spec "
+            f"as shipped has graph breaks: {meta.get('shipped_breaks', 'same layer, see the table')}"]), "",
         "- peak MiB: memory allocated above the inputs and parameters during the timed steps (activations kept "
         "for backward and temporaries)", "",
         "| variant | fwd+bwd ms | vs faster FLA | back-to-back ms | vs faster FLA | graph breaks | graphs | "
@@ -290,6 +302,8 @@ def write_report(path, rows, meta, args, echo=True):
         lines += ["", f"Target (compiled ours >= 1.15x the faster FLA variant, 0 graph breaks): {verdict} "
                       f"({speedup:.3f}x, {ours.get('breaks')} graph breaks); back-to-back: "
                       f"{best_fla_stream / ours['stream_ms']:.3f}x."]
+    if args.chunk_op:
+        lines += against_flashqla(rows)
     for name in PROFILED:
         lines += (meta.get("profiles") or {}).get(name, [])
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -304,18 +318,22 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes (script smoke test)")
+    parser.add_argument("--sizes", choices=tuple(SIZES), default="hybrid-1.5b", help="GDN head counts and dims")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes (script smoke test; same as --sizes tiny)")
+    parser.add_argument("--chunk-op", action="store_true", help="time the chunk op alone instead of the layer")
     parser.add_argument("--skip", default="", help="comma-separated variants to skip: ours eager, ours compiled, "
-                        "ours recompute, fla eager, fla compiled, megatron")
+                        "ours recompute, fla eager, fla compiled, megatron; with --chunk-op: FlashQLA, "
+                        "ours chunk op, fla chunk op")
     parser.add_argument("--out", default="benchmarks/results/gdn.md")
     parser.add_argument("--profile", action="store_true",
                         help=f"add top-kernel tables for {' and '.join(PROFILED)} to the report")
     parser.add_argument("--profile-top", type=int, default=20, help="kernels listed per profile table")
     args = parser.parse_args()
-    sizes = TINY if args.tiny else REFERENCE
+    sizes = TINY if args.tiny else SIZES[args.sizes]
     device = args.device
-    init_megatron(device)
-    from megatron_muon.ops import selected_backend
+    if not args.chunk_op:
+        init_megatron(device)
+    from megatron_muon.ops import flashqla_enabled, selected_backend
 
     skip = [s.strip() for s in args.skip.split(",") if s.strip()]
 
@@ -328,13 +346,23 @@ def main() -> None:
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), versions=package_versions(),
                 sizes=sizes, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 command="python " + " ".join(sys.argv))
-    meta["backend"] = selected_backend() if device == "cuda" else "torch (cpu)"
+    meta["backend"] = (f"{selected_backend()}, FlashQLA {'on' if flashqla_enabled() else 'off'}" if device == "cuda"
+                       else "torch (cpu)")
     meta["profiles"] = profiles = {} if args.profile else None
     rows = []
 
     def record(row):  # rewrite the report after every variant so a run cut short still leaves its numbers
         rows.append(row)
         write_report(args.out, rows, meta, args, echo=False)
+
+    if args.chunk_op:
+        inputs = chunk_op_inputs(sizes, args.seq_len, device)
+        variants = [v for v in chunk_op_variants(inputs, device) if wanted(v[0])]
+        for name, forward, setup in variants:
+            record(run_variant(name, make_chunk_step(forward, setup, inputs), device, args))
+        meta["agreement_of"], meta["agreement"] = "outputs o on the same input", output_agreement(variants, inputs)
+        write_report(args.out, rows, meta, args)
+        return
 
     ours, shipped_out_proj = build_ours(config)
     if shipped_out_proj is not type(ours.out_proj):

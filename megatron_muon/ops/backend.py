@@ -7,6 +7,7 @@
   (``ops/dqkwg.py``) replaces the miscompiled one where ``dqkwg.qualifies``; packed sequences and other shapes need
   TileLang there, and FLA raises and says so (before any gradient is applied).
 - ``torch``: the pure-torch chunked implementation; always used for CPU tensors, on CUDA only when asked for.
+Under the FLA backends, FlashQLA (where installed) takes the bf16 K = V = 128 chunk-op calls: ``ops/gdn_flashqla.py``.
 
 ``MEGATRON_MUON_GDN_BACKEND`` (auto | fla-triton | fla-tilelang | torch) or ``set_backend`` overrides the automatic
 choice; an override that would run a known-wrong kernel raises instead. Forcing ``fla-triton`` where TileLang is

@@ -4,12 +4,14 @@ Public entry point: ``chunk_gated_delta_rule`` with FLA's signature and "BTH*" l
 GVA (more value heads than q/k heads): value head ``h`` reads key/query head ``h // (HV // H)``, the same grouping as
 FLA 0.6 and megatron-core's ``repeat_interleave``. FLA 0.6 handles it natively in its kernels; the torch backend
 repeats q/k inside the op and sums their gradients back; either way callers pass un-repeated q/k.
+Where FlashQLA runs in this process and a call qualifies (bf16, K = V = 128: ``ops/gdn_flashqla.py``), the call goes to
+FlashQLA's kernels through their own custom ops instead.
 """
 
 import torch
 from torch import Tensor
 
-from megatron_muon.ops import fla_backend
+from megatron_muon.ops import fla_backend, gdn_flashqla
 from megatron_muon.ops.backend import backend_for
 from megatron_muon.ops.gdn_torch import CHUNK_SIZE, chunk_gdn_backward_torch, chunk_gdn_forward_torch
 from megatron_muon.ops.norm import l2norm
@@ -34,12 +36,18 @@ def chunk_gated_delta_rule(
     where N = B, or the number of sequences when ``cu_seqlens`` packs them into B = 1.
     ``keep_states_for_backward`` (FLA backends, equal-length batches) keeps the per-chunk states until the backward
     instead of recomputing them there: faster, at 2 * B * HV * (ceil(T / 64) * K * V + T * (K + V)) extra bytes.
+    It does not apply to the calls FlashQLA runs (``ops/gdn_flashqla.py``), whose backward recomputes its states.
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
+    if gdn_flashqla.qualifies(q, v) and gdn_flashqla.flashqla_enabled():
+        o, final_state, *_ = gdn_flashqla.gdn_flashqla_fwd(
+            q, k, v, g, beta, float(scale), initial_state, output_final_state, cu_seqlens
+        )
+        return o, (final_state if output_final_state else None)
     o, final_state, *_ = gdn_chunk_fwd(
         q, k, v, g, beta, float(scale), initial_state, output_final_state, cu_seqlens, keep_states_for_backward
     )
@@ -99,6 +107,7 @@ def gdn_chunk_fwd(
     if backend_for(q) == "torch":
         outputs = chunk_gdn_forward_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
         return (*outputs, *(q.new_empty(0) for _ in range(3)))
+    gdn_flashqla.log_first_fallback(q, v)
     return fla_backend.gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_states)
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_muon.cli.main import intended_world_size
 from megatron_muon.metrics import training_flops_per_token
+from megatron_muon.metrics.flops import parameter_count
 from megatron_muon.training.config import RecipeError, parse_overrides
 from megatron_muon.training.recipes import available_recipes, load_recipe
 from megatron_muon.training.validation import full_layer_pattern, model_shape, validate
@@ -16,7 +17,8 @@ RECIPES = Path(__file__).resolve().parents[2] / "examples" / "recipes"
 def test_recipe_directory_is_found_and_complete():
     found = available_recipes()
     assert {p.stem for p in RECIPES.glob("*.yaml")} <= set(found)
-    assert {"tiny-cpu", "hybrid-1.5b-h200", "hybrid-1.5b-8gpu", "hybrid-1.5b-multinode"} <= set(found)
+    assert {"tiny-cpu", "hybrid-1.5b-h200", "hybrid-1.5b-8gpu", "hybrid-1.5b-multinode",
+            "qwen3-next-1.5b-h200"} <= set(found)
 
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
@@ -42,6 +44,20 @@ def test_hybrid_1p5b_is_the_reference_workload():
     assert 2 * 6 * 256 + 2 * 6 * 512 + 2 * 6 == 9228 and 6 * 512 == 3072 and (16 + 2 * 4) * 128 == 3072
     for name in ("hybrid-1.5b-8gpu", "hybrid-1.5b-multinode"):  # the scaled-out versions train the same model
         assert load_recipe(name).model == m
+
+
+def test_qwen3_next_is_the_hybrid_with_qwen3_nexts_gdn_heads():
+    """16 q/k heads and 32 value heads of 128 (FlashQLA's K = V = 128), a narrower FFN, the same parameter count."""
+    hybrid, qwen = load_recipe("hybrid-1.5b-h200"), load_recipe("qwen3-next-1.5b-h200")
+    m = qwen.model
+    assert (m.gdn_num_key_heads, m.gdn_num_value_heads, m.gdn_key_head_dim, m.gdn_value_head_dim) == (16, 32, 128, 128)
+    assert full_layer_pattern(qwen) == "GGG*" * 6
+    assert (m.hidden_size, m.ffn_hidden_size, m.seq_length) == (2048, 4608, 16384)
+    differs = {"ffn_hidden_size", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim"}
+    assert {k for k, v in vars(m).items() if vars(hybrid.model)[k] != v} == differs
+    assert qwen.optimizer == hybrid.optimizer and qwen.training == hybrid.training and qwen.parallel == hybrid.parallel
+    params = parameter_count(model_shape(qwen))
+    assert abs(params / parameter_count(model_shape(hybrid)) - 1) < 0.01 and 1.45e9 < params < 1.55e9
 
 
 def test_scaled_out_layouts():
