@@ -96,7 +96,9 @@ def build(recipe, owner_overlap: bool):
     config = transformer_config(recipe, on_gpu=torch.cuda.is_available())
     module = build_model(recipe, config)
     if recipe.training.torch_compile:
-        module.forward = torch.compile(module.forward, mode=recipe.training.compile_mode)
+        from megatron_muon.training.compile import compile_model
+
+        compile_model(module, recipe.training.compile_mode, recipe.training.compile_scope)
     model = wrap_model(module, config, recipe)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model], use_gloo_process_groups=False)
     install_fast_paths(optimizer, [model], main_grad_add=False, first_grad_overwrite=not uses_owner_engine(recipe))

@@ -80,7 +80,9 @@ def build_rung(recipe, rung: Rung, on_gpu: bool, owner_plan=None):
     else:
         module = build_model(recipe, config)
     if rung.compiled:
-        module.forward = torch.compile(module.forward, mode=recipe.training.compile_mode)
+        from megatron_muon.training.compile import compile_model
+
+        compile_model(module, recipe.training.compile_mode, recipe.training.compile_scope)
     model = wrap_model(module, config, recipe, fast_main_grad_add=rung.main_grad_add, owner_plan=owner_plan)
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model])
     install_fast_paths(optimizer, [model], fused_adam=rung.fused_adam, one_pass_adamw=rung.one_pass_adamw,

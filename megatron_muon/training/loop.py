@@ -15,6 +15,7 @@ from megatron_muon.megatron.fast_paths import install_fast_paths
 from megatron_muon.megatron.qk_clip import QkClipAfterStep
 from megatron_muon.metrics import MfuCalculator, peak_tflops
 from megatron_muon.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_muon.training.compile import compile_model
 from megatron_muon.training.config import Recipe
 from megatron_muon.training.data import MicroBatches, build_train_dataset
 from megatron_muon.training.distributed import RunContext
@@ -243,7 +244,7 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
     config = transformer_config(recipe, on_gpu=ctx.device.type == "cuda")
     module = build_model(recipe, config)
     if train.torch_compile:
-        module.forward = torch.compile(module.forward, mode=train.compile_mode)
+        compile_model(module, train.compile_mode, train.compile_scope)
     model = wrap_model(module, config, recipe)
     optimizer = get_megatron_optimizer(optimizer_config(_with_checkpoint_lr(recipe, saved)), [model])
     fast_paths = install_fast_paths(  # wrap_model already hooked the gradient add

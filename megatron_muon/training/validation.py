@@ -14,6 +14,7 @@ from megatron_muon.training.config import Recipe, RecipeError
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_SCOPES = ("model", "layer")
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 MODEL_KINDS = ("hybrid", "gpt")
 SPEC_BACKENDS = ("auto", "te", "local")
@@ -164,6 +165,7 @@ def _validate_training(recipe: Recipe) -> None:
     train, opt, ckpt = recipe.training, recipe.optimizer, recipe.checkpoint
     _one_of("training.precision", train.precision, PRECISIONS)
     _one_of("training.compile_mode", train.compile_mode, COMPILE_MODES)
+    _one_of("training.compile_scope", train.compile_scope, COMPILE_SCOPES)
     _one_of("training.exit_signal", train.exit_signal, EXIT_SIGNALS)
     _one_of("optimizer.lr_decay_style", opt.lr_decay_style, DECAY_STYLES)
     _require(opt.lr > 0 and 0 <= opt.min_lr <= opt.lr, "optimizer.lr must be > 0 and 0 <= optimizer.min_lr <= lr.")

@@ -78,6 +78,7 @@ def test_scaled_out_layouts():
         (["model.layer_pattern=GGX*"], 1, "may only use 'G'"),
         (["training.precision=fp8"], 1, "training.precision"),
         (["training.compile_mode=fast"], 1, "'training.compile_mode' must be one of default, reduce-overhead"),
+        (["training.compile_scope=block"], 1, "'training.compile_scope' must be one of model, layer"),
         (["training.train_iters=ten"], 1, "must be int"),
         (["data.path=/nonexistent/prefix"], 1, "no '/nonexistent/prefix.bin'"),
         (["parallel.data_parallel_size=4"], 2, "launch that many processes"),

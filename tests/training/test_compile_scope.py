@@ -1,0 +1,66 @@
+"""`training.compile_scope: layer`: each decoder layer's forward compiled on its own traces one graph per distinct
+layer kind (three GDN layers share one, the attention layer has its own), without graph breaks, and the model's
+loss and every gradient equal the eager model's. aot_eager as in tests/specs/test_compile.py (Inductor's code
+generation is not under test)."""
+
+import pytest
+import torch
+
+from megatron_muon.training.compile import compile_model, distinct_layer_kinds
+from tests.specs.test_compile import _dynamo_enabled, _max_difference
+
+SEQ, BATCH, VOCAB = 40, 2, 128
+
+
+def _loss_and_grads(model, tokens):
+    model.zero_grad(set_to_none=True)
+    positions = torch.arange(SEQ).expand(BATCH, -1)
+    loss = model(tokens, positions, None, labels=tokens).float().mean()
+    loss.backward()
+    names, params = zip(*((n, p) for n, p in model.named_parameters() if p.grad is not None))
+    return loss.detach(), names, [p.grad.clone() for p in params]
+
+
+def _layer_scope_case(rank, world_size):
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    from megatron_muon.specs import build_hybrid_model
+    from megatron_muon.testing.parallel import init_model_parallel
+    from tests.layers.gdn_cases import gdn_config
+
+    init_model_parallel(tp=1)
+    model = build_hybrid_model(gdn_config(num_layers=4), "GGG*", vocab_size=VOCAB, max_seq_len=64)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    eager_loss, names, eager_grads = _loss_and_grads(model, tokens)
+    with _dynamo_enabled():
+        counters.clear()
+        counter = CompileCounterWithBackend("aot_eager")
+        compile_model(model, mode=None, scope="layer", backend=counter)
+        for _ in range(2):  # the second step must reuse every graph
+            loss, _, grads = _loss_and_grads(model, tokens)
+        frames = counter.frame_count
+        breaks = sum(counters["graph_break"].values())
+    # _max_difference compares (output, input grad, parameter grads): here the loss, the embedding's gradient and
+    # every other parameter's
+    mismatch, gate_mismatch = _max_difference((eager_loss.reshape(1), eager_grads[0], eager_grads[1:]),
+                                              (loss.reshape(1), grads[0], grads[1:]), names[1:])
+    return {"frames": frames, "kinds": distinct_layer_kinds(model), "breaks": breaks, "mismatch": mismatch,
+            "gate_mismatch": gate_mismatch}
+
+
+def test_layer_scope_traces_one_graph_per_layer_kind(rank_pool_1):
+    result = rank_pool_1.run(_layer_scope_case)[0]
+    assert result["kinds"] == 2
+    assert result["frames"] == 2, result  # not 4: same-kind layers share their graph, also on the second step
+    assert result["breaks"] == 0
+    # tolerances as tests/specs/test_compile.py (the gated norm's order differs in compiled graphs)
+    assert result["mismatch"] < 1e-5, result
+    assert result["gate_mismatch"] < 1e-3, result
+
+
+def test_unknown_scope_and_a_model_without_layers_name_the_fix():
+    with pytest.raises(ValueError, match="'model' or 'layer'"):
+        compile_model(torch.nn.Linear(2, 2), scope="block")
+    with pytest.raises(ValueError, match="training.compile_scope: model"):
+        compile_model(torch.nn.Linear(2, 2), scope="layer")
