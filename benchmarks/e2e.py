@@ -137,7 +137,8 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     from megatron_muon.training.validation import model_shape
 
     recipe = rung_recipe(base_recipe, rung)
-    row = {"rung": rung.key, "label": rung.label, "optimizer": rung.optimizer, "compiled": rung.compiled}
+    row = {"rung": rung.key, "label": rung.label, "optimizer": rung.optimizer, "compiled": rung.compiled,
+           "compile_scope": recipe.training.compile_scope if rung.compiled else None}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     _free_memory()
