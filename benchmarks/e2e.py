@@ -94,13 +94,15 @@ def build_rung(recipe, rung: Rung, on_gpu: bool, owner_plan=None):
 
 
 def train_steps(
-    model, optimizer, batches, recipe, steps: int, first_step: int = 0
+    model, optimizer, batches, recipe, steps: int, first_step: int = 0, inspect=None
 ) -> list[tuple[float, float, float, float | None]]:
     """(fwd+bwd seconds, optimizer seconds, loss, grad norm) per step; the two times add up to the step's time.
 
     Steps run back to back as in megatron's loop: nothing synchronizes between or inside them, so the CPU queues
     the next step (batch upload, graph guards, launches) while the GPU finishes the current one. Times come from
-    CUDA events on the stream (`StepTimer`), losses and grad norms are read after the last step."""
+    CUDA events on the stream (`StepTimer`), losses and grad norms are read after the last step. `inspect(stage,
+    step)` ("backward" | "step") is called after each phase, for tracing runs that must agree bit for bit (it may
+    synchronize; timings then mean nothing)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_muon.training.loop import forward_step, global_mean_loss
@@ -119,7 +121,11 @@ def train_steps(
             num_microbatches=batches.num_microbatches, seq_length=recipe.model.seq_length,
             micro_batch_size=recipe.training.micro_batch_size, forward_only=False))
         timer.end_forward_backward()
+        if inspect is not None:
+            inspect("backward", step)
         grad_norms.append(optimizer.step()[1])  # megatron returns the pre-clipping norm (a device tensor)
+        if inspect is not None:
+            inspect("step", step)
     return [(step_s - optimizer_s, optimizer_s, global_mean_loss(losses), None if norm is None else float(norm))
             for (step_s, optimizer_s), losses, norm in zip(timer.read(), step_losses, grad_norms, strict=True)]
 
@@ -128,7 +134,9 @@ def compile_stats() -> dict:
     from torch._dynamo.utils import counters, guard_failures
 
     return {"graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
-            "recompiles": sum(len(v) for v in guard_failures.values())}
+            "recompiles": sum(len(v) for v in guard_failures.values()),
+            "recompile_reasons": sorted({f"{getattr(code, 'co_name', code)}: {reason}"[:300]
+                                         for code, reasons in guard_failures.items() for reason in reasons})}
 
 
 def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> dict:

@@ -39,7 +39,7 @@ def compile_model(module: torch.nn.Module, mode: str | None = "default", scope: 
         if key not in regions:
             name = f"{_kind_name(layer)}_layer_{len(regions)}"
             regions[key] = (name, torch.compile(_entry_function(name), mode=mode, backend=backend))
-        layer.forward = functools.partial(regions[key][1], layer)
+        layer.forward = functools.partial(_call_with_standard_strides, regions[key][1], layer)
     names = [name for name, _ in regions.values()]
     if getattr(module, "post_process", False) and hasattr(module, "compute_language_model_loss"):
         module.compute_language_model_loss = torch.compile(module.compute_language_model_loss, mode=mode,
@@ -65,6 +65,19 @@ def _decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
 def _kind_name(layer: torch.nn.Module) -> str:
     mixer = getattr(layer, "self_attention", None)
     return type(mixer if mixer is not None else layer).__name__
+
+
+def _call_with_standard_strides(compiled, layer, *args, **kwargs):
+    """Dynamo guards on strides, including those of size-1 dimensions, which do not change the layout: at micro
+    batch 1 the embedding hands the first layer [s, 1, h] with the batch stride of its [1, s, h] source, and every
+    later layer gets standard strides. Giving the first layer's input standard strides too (a view, no copy) keeps
+    all layers of a kind on one graph instead of recompiling for the first."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].is_contiguous():
+        args = (args[0].view(args[0].shape), *args[1:])
+    hidden = kwargs.get("hidden_states")
+    if isinstance(hidden, torch.Tensor) and hidden.is_contiguous():
+        kwargs["hidden_states"] = hidden.view(hidden.shape)
+    return compiled(layer, *args, **kwargs)
 
 
 def _run_layer(layer, *args, **kwargs):

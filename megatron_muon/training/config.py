@@ -71,7 +71,7 @@ class TrainingSection:
     precision: str = "fp32"  # "bf16", "fp16" or "fp32"
     torch_compile: bool = False
     compile_mode: str = "default"  # torch.compile's mode: "reduce-overhead" adds CUDA graphs
-    compile_scope: str = "model"  # "layer": one compiled graph per distinct layer kind, shared by its layers
+    compile_scope: str = "layer"  # one compiled graph per distinct layer kind, shared by its layers; or "model"
     exit_signal_handler: bool | None = None  # on exit_signal: finish the step, save, end; None: on with a save dir
     exit_signal: str = "SIGTERM"  # or SIGUSR1 / SIGUSR2 / SIGINT, for jobs whose scheduler sends another signal
 

@@ -3,25 +3,27 @@ traces one graph per distinct layer kind plus the loss's, not one per layer, wit
 over two steps, and the model's loss and every gradient equal the eager model's. aot_eager as in
 tests/specs/test_compile.py (Inductor's code generation is not under test)."""
 
+import functools
+
 import pytest
 import torch
 
 from megatron_muon.training.compile import compile_model, distinct_layer_kinds
 from tests.specs.test_compile import _dynamo_enabled, _max_difference
 
-SEQ, BATCH, VOCAB = 40, 2, 128
+SEQ, VOCAB = 40, 128
 
 
 def _loss_and_grads(model, tokens):
     model.zero_grad(set_to_none=True)
-    positions = torch.arange(SEQ).expand(BATCH, -1)
+    positions = torch.arange(SEQ).expand(tokens.shape[0], -1)
     loss = model(tokens, positions, None, labels=tokens).float().mean()
     loss.backward()
     names, params = zip(*((n, p) for n, p in model.named_parameters() if p.grad is not None))
     return loss.detach(), names, [p.grad.clone() for p in params]
 
 
-def _layer_scope_case(rank, world_size):
+def _layer_scope_case(rank, world_size, batch):
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters, guard_failures
 
@@ -31,7 +33,7 @@ def _layer_scope_case(rank, world_size):
 
     init_model_parallel(tp=1)
     model = build_hybrid_model(gdn_config(num_layers=8), "GGG*", vocab_size=VOCAB, max_seq_len=64)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(5))
     eager_loss, names, eager_grads = _loss_and_grads(model, tokens)
     with _dynamo_enabled():
         counters.clear()
@@ -51,15 +53,19 @@ def _layer_scope_case(rank, world_size):
             "recompiles": recompiles, "mismatch": mismatch, "gate_mismatch": gate_mismatch}
 
 
-def test_layer_scope_traces_one_graph_per_layer_kind(rank_pool_1):
-    result = rank_pool_1.run(_layer_scope_case)[0]
+# Micro batch 1 is megatron's usual one: the embedding then hands the first layer [s, 1, h] with the batch stride
+# of its [1, s, h] source, which a stride guard would count as a recompile.
+@pytest.mark.parametrize("batch, gate_tolerance", [(1, 5e-3), (2, 1e-3)])
+def test_layer_scope_traces_one_graph_per_layer_kind(rank_pool_1, batch, gate_tolerance):
+    result = rank_pool_1.run(functools.partial(_layer_scope_case, batch=batch))[0]
     assert result["kinds"] == 2
     assert result["regions"] == ["GatedDeltaNet_layer_0", "SelfAttention_layer_1", "loss"]
     assert result["frames"] == result["kinds"] + 1, result  # not 8 + 1: same-kind layers share their graph
     assert result["breaks"] == 0 and result["recompiles"] == 0, result
-    # tolerances as tests/specs/test_compile.py (the gated norm's order differs in compiled graphs)
+    # tolerances as tests/specs/test_compile.py (the gated norm's order differs in compiled graphs); the gate
+    # gradients' cancellation depends on the batch (measured 2.9e-3 at batch 1, under 1e-3 at batch 2)
     assert result["mismatch"] < 1e-5, result
-    assert result["gate_mismatch"] < 1e-3, result
+    assert result["gate_mismatch"] < gate_tolerance, result
 
 
 def test_unknown_scope_and_a_model_without_layers_name_the_fix():
