@@ -144,6 +144,8 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
     row = {"variant": key, "label": label, "world": world, "rank": rank, "micro_batches": micro}
     join_fake_group(world, rank)
     _free_memory()
+    if args.poison:
+        poison_free_memory()
     model = optimizer = None
     # a high-priority step stream: the backward's blocks go first, the side stream's Newton-Schulz fills what is left
     step_stream = torch.cuda.Stream(priority=-1) if high_priority and torch.cuda.is_available() else None
@@ -153,7 +155,17 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
             batches = MicroBatches(build_train_dataset(recipe, args.data_dir), 1, world * micro,
                                    ps.get_data_parallel_rank(), world,
                                    torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-            records = train_steps(model, optimizer, batches, recipe, args.steps)[args.warmup:]
+            trace = [] if args.trace else None
+            inspect = None if trace is None else lambda stage, step: trace.append(
+                {"step": step, "stage": stage, **tensor_digests(model, optimizer, stage)})
+            if args.sync_phases and inspect is None:
+                inspect = lambda stage, step: torch.cuda.synchronize() if torch.cuda.is_available() else None  # noqa: E731
+            records = train_steps(model, optimizer, batches, recipe, args.steps, inspect=inspect)
+            if trace is not None:
+                row["trace"] = trace
+            if args.trace or args.digest:
+                row["losses"] = [float(loss).hex() for _, _, loss, _ in records]
+            records = records[args.warmup:]
             if args.timeline == f"{key}@{world}":
                 row["timeline"] = stream_overlap(
                     lambda: train_steps(model, optimizer, batches, recipe, 1, args.steps + 2))
@@ -188,8 +200,85 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
         traceback.print_exc()
     del model, optimizer
     _free_memory()
-    print(json.dumps(row), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
     return row
+
+
+def poison_free_memory() -> None:
+    """Fill most of the device's free memory with NaN bytes and hand it to the caching allocator: a kernel that reads
+    memory nobody wrote (an `empty` buffer taken as zeros) then makes NaNs, which `--trace` locates."""
+    if not torch.cuda.is_available():
+        return
+    free, _ = torch.cuda.mem_get_info()
+    block = torch.empty(int(free * 0.8), dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN in bf16 and fp32
+    del block
+
+
+def _short_digest(tensor: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()).hexdigest()[:12]
+
+
+def tensor_digests(model, optimizer, stage: str) -> dict:
+    """Per-tensor digests at one point of a step, to find the first tensor where two runs part: after the backward
+    every parameter's main_grad, after the step every parameter and the Muon engines' momentum and fp32 masters."""
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    named = sorted(model.named_parameters(), key=lambda item: item[0])
+    nonfinite = [n for n, p in named if not torch.isfinite(p).all()]
+    if stage == "backward":
+        grads = {n: p.main_grad for n, p in named if getattr(p, "main_grad", None) is not None}
+        return {"grads": {n: _short_digest(g) for n, g in grads.items()},
+                "nonfinite": [f"grad:{n}" for n, g in grads.items() if not torch.isfinite(g).all()] + nonfinite}
+    names = {id(p): n for n, p in named}
+    state = {}
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for model_group, main_group in zip(getattr(member, "float16_groups", []),
+                                           getattr(member, "fp32_from_float16_groups", [])):
+            for model_param, main in zip(model_group, main_group):
+                state[f"master:{names.get(id(model_param), '?')}"] = _short_digest(main)
+                momentum = member.optimizer.state.get(main, {}).get("momentum_buffer")
+                if momentum is not None:
+                    state[f"momentum:{names.get(id(model_param), '?')}"] = _short_digest(momentum)
+    engines = [e for m in getattr(optimizer, "chained_optimizers", []) for e in getattr(m, "engines", [])]
+    for e, engine in enumerate(engines):
+        for g, group in enumerate(engine.param_groups):
+            for i, param in enumerate(group["params"]):
+                momentum = engine.state.get(param, {}).get("momentum_buffer")
+                if momentum is not None:
+                    state[f"muon{e}.{g}.{i}:momentum"] = _short_digest(momentum)
+    return {"params": {n: _short_digest(p) for n, p in named}, "state": state, "nonfinite": nonfinite}
+
+
+def first_difference(rows: list[dict]) -> list[str]:
+    """Each traced run against the first traced run of the same optimizer and W (variants of one optimizer compute
+    the same numbers): the first (step, stage) where they part, and which tensors differ there."""
+    first, lines = {}, []
+    for number, row in enumerate(rows, 1):
+        if not row.get("trace"):
+            continue
+        bad = next((point for point in row["trace"] if point.get("nonfinite")), None)
+        if bad is not None:
+            lines.append(f"- run {number} ({row['variant']}): first non-finite at step {bad['step']} after the "
+                         f"{bad['stage']}: {len(bad['nonfinite'])} tensors, in order {', '.join(bad['nonfinite'][:12])}")
+        key = (VARIANTS[row["variant"]][1], row["world"])
+        if key not in first:
+            first[key] = (number, row)
+            continue
+        base_number, base = first[key]
+        found = "identical at every traced point"
+        for a, b in zip(base["trace"], row["trace"]):
+            diff = [f"{kind}:{name}" for kind in ("grads", "params", "state") for name in a.get(kind, {})
+                    if a[kind][name] != b.get(kind, {}).get(name)]
+            if diff:
+                found = f"first differ at step {a['step']} after the {a['stage']}: {len(diff)} tensors, " \
+                        f"e.g. {', '.join(diff[:4])}"
+                break
+        losses = "same losses" if row.get("losses") == base.get("losses") else "losses differ"
+        lines.append(f"- run {number} ({row['variant']}) against run {base_number} ({base['variant']}), "
+                     f"W = {row['world']}: {found}; "
+                     f"{losses}")
+    return ["", "## Where runs part (--trace)", "", *lines] if lines else []
 
 
 def param_digest(model) -> str:
@@ -272,6 +361,7 @@ def write_report(path: Path, rows: list[dict], meta: dict) -> None:
                  f"{row['optimizer_state_gib']:.2f}", "-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += repeat_summary(rows, adam)
+    lines += first_difference(rows)
     write_table_and_rows(path, lines, meta, rows)
 
 
@@ -307,6 +397,15 @@ def main(argv=None) -> None:
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/megatron_muon_e2e_data"))
     parser.add_argument("--revision", default=None)
     parser.add_argument("--digest", action="store_true", help="record a hash of the parameters after the steps")
+    parser.add_argument("--trace", action="store_true",
+                        help="digest every gradient after each backward and every parameter and optimizer state after "
+                             "each step (synchronizes: no timing meaning); the report names where runs first differ")
+    parser.add_argument("--poison", action="store_true",
+                        help="before each run fill the allocator's free memory with NaN bytes: unwritten memory read "
+                             "as data turns into NaNs that --trace names")
+    parser.add_argument("--sync-phases", action="store_true",
+                        help="synchronize the device after each backward and each step (as --trace does, without "
+                             "the digests): tells a race between streams from a kernel that reorders its sums")
     parser.add_argument("--cpu", action="store_true", help="a smoke run in CPU mode (no timing meaning)")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch's deterministic algorithms (needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before the "
