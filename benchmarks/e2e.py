@@ -131,12 +131,17 @@ def train_steps(
 
 
 def compile_stats() -> dict:
-    from torch._dynamo.utils import counters, guard_failures
+    """Graph counts, recompiles with their reasons, and the slowest compile phases (Dynamo's own timers, seconds
+    summed over the process: what of `first_steps_s` is compilation rather than kernels' JIT and autotuning)."""
+    from torch._dynamo.utils import compile_times, counters, guard_failures
 
+    names, seconds = compile_times(repr="csv", aggregate=True)
+    phases = sorted(zip(names, map(float, seconds)), key=lambda item: -item[1])[:12]
     return {"graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
             "recompiles": sum(len(v) for v in guard_failures.values()),
             "recompile_reasons": sorted({f"{getattr(code, 'co_name', code)}: {reason}"[:300]
-                                         for code, reasons in guard_failures.items() for reason in reasons})}
+                                         for code, reasons in guard_failures.items() for reason in reasons}),
+            "compile_phases_s": {name: round(value, 2) for name, value in phases}}
 
 
 def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> dict:

@@ -97,3 +97,22 @@ def test_idle_gaps_merge_overlapping_kernels_and_rank_gaps():
     assert lines[5] == "| 0.01 | `c` | `d` | `step` |"
     assert idle_gaps(intervals, steps=1, largest=1)[4] == "| 0.03 | `b` | `c` | `-` |"
     assert idle_gaps([], steps=1) == []
+
+
+def test_compile_stats_names_recompiles_and_compile_phases():
+    from torch._dynamo.utils import counters, guard_failures
+
+    from e2e import compile_stats
+    from tests.specs.test_compile import _dynamo_enabled
+
+    with _dynamo_enabled():
+        counters.clear()
+        guard_failures.clear()
+        double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+        double(torch.randn(3))
+        double(torch.randn(3, 2))  # another rank: a guard fails and the function is traced again
+        stats = compile_stats()
+    assert stats["graph_breaks"] == 0 and stats["recompiles"] == 1, stats
+    assert len(stats["recompile_reasons"]) == 1 and "tensor" in stats["recompile_reasons"][0], stats
+    assert stats["compile_phases_s"] and all(v >= 0 for v in stats["compile_phases_s"].values()), stats
+    assert "_compile.compile_inner" in stats["compile_phases_s"], stats
