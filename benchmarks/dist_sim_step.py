@@ -35,13 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_env import package_versions, write_table_and_rows  # noqa: E402
 from e2e import _free_memory, _git_revision, train_steps  # noqa: E402
 
-VARIANTS = {  # label, optimizer, where Newton-Schulz runs, whether the step runs on a high-priority stream
-    "adam": ("megatron DistributedOptimizer, AdamW (fused)", "adam", True, False),
-    "ours": ("muon + distributed optimizer: owner engine, Newton-Schulz in the backward", "muon", True, False),
-    "ours-graphs": ("owner engine, Newton-Schulz in the backward replayed from CUDA graphs", "muon", "graphs", False),
-    "ours-after": ("owner engine, Newton-Schulz after the backward", "muon", False, False),
-    "adam-priority": ("AdamW, the step on a high-priority stream", "adam", True, True),
-    "ours-priority": ("owner engine, the step on a high-priority stream above its Newton-Schulz", "muon", True, True),
+VARIANTS = {  # label, optimizer, where Newton-Schulz starts (+ graphs), whether the step runs on a high-priority stream
+    "adam": ("megatron DistributedOptimizer, AdamW (fused)", "adam", "bucket", False),
+    "ours": ("muon + distributed optimizer: owner engine, Newton-Schulz in the backward", "muon", "bucket", False),
+    "ours-graphs": ("owner engine, Newton-Schulz in the backward replayed from CUDA graphs", "muon", "bucket+graphs",
+                    False),
+    "ours-end": ("owner engine, Newton-Schulz of all owned matrices at the backward's end, queued before the host "
+                 "reads the norm", "muon", "backward_end", False),
+    "ours-after": ("owner engine, Newton-Schulz after the backward", "muon", "step", False),
+    "adam-priority": ("AdamW, the step on a high-priority stream", "adam", "bucket", True),
+    "ours-priority": ("owner engine, the step on a high-priority stream above its Newton-Schulz", "muon", "bucket",
+                      True),
 }
 
 
@@ -89,7 +93,7 @@ def leave_fake_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-def build(recipe, owner_overlap: bool):
+def build(recipe, newton_schulz_start: str):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -110,9 +114,9 @@ def build(recipe, owner_overlap: bool):
     optimizer = get_megatron_optimizer(optimizer_config(recipe), [model], use_gloo_process_groups=False)
     install_fast_paths(optimizer, [model], main_grad_add=False, first_grad_overwrite=not uses_owner_engine(recipe))
     for member in getattr(optimizer, "chained_optimizers", []):
-        if hasattr(member, "overlap_newton_schulz"):
-            member.overlap_newton_schulz = bool(owner_overlap)
-            member.graph_newton_schulz = owner_overlap == "graphs"
+        if hasattr(member, "newton_schulz_start"):
+            member.newton_schulz_start = newton_schulz_start.removesuffix("+graphs")
+            member.graph_newton_schulz = newton_schulz_start.endswith("+graphs")
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer
@@ -135,7 +139,7 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
     from megatron_muon.metrics.memory import measured_memory
     from megatron_muon.training.data import MicroBatches, build_train_dataset
 
-    label, name, overlap, high_priority = VARIANTS[key]
+    label, name, newton_schulz_start, high_priority = VARIANTS[key]
     micro = args.micro_batches
     recipe = replace(base, optimizer=replace(base.optimizer, name=name),
                      parallel=replace(base.parallel, data_parallel_size=world, overlap_grad_reduce=True,
@@ -151,7 +155,7 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
     step_stream = torch.cuda.Stream(priority=-1) if high_priority and torch.cuda.is_available() else None
     try:
         with torch.cuda.stream(step_stream) if step_stream is not None else contextlib.nullcontext():
-            model, optimizer = build(recipe, overlap)
+            model, optimizer = build(recipe, newton_schulz_start)
             batches = MicroBatches(build_train_dataset(recipe, args.data_dir), 1, world * micro,
                                    ps.get_data_parallel_rank(), world,
                                    torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -170,7 +174,7 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
                 row["timeline"] = stream_overlap(
                     lambda: train_steps(model, optimizer, batches, recipe, 1, args.steps + 2))
                 print(json.dumps(row["timeline"]), flush=True)
-            if args.profile == f"{key}@{world}":  # two more steps: the kernels, categories and idle gaps
+            if f"{key}@{world}" in (args.profile or "").split(","):  # two more steps: kernels, categories, gaps
                 from types import SimpleNamespace
 
                 from e2e_report import write_profile
@@ -412,8 +416,9 @@ def main(argv=None) -> None:
                              "run): tells a nondeterministic kernel from a race when --digest runs disagree")
     parser.add_argument("--timeline", default=None, metavar="VARIANT@W",
                         help="one more step of this variant profiled: side-stream Newton-Schulz against the backward")
-    parser.add_argument("--profile", default=None, metavar="VARIANT@W",
-                        help="profile two more steps of this variant at this world size (kernel table next to --out)")
+    parser.add_argument("--profile", default=None, metavar="VARIANT@W[,VARIANT@W...]",
+                        help="profile two more steps of these variants at these world sizes (kernel tables next to "
+                             "--out)")
     args = parser.parse_args(argv)
     keys = [k for k in args.variants.split(",") if k]
     if any(k not in VARIANTS for k in keys) or not 0 < args.warmup < args.steps:

@@ -181,6 +181,32 @@ def cpu_busy_during(start: float, end: float, cpu_events: list[tuple[float, floa
     return min(covering)[1] if covering else "-"
 
 
+RANGE_PREFIXES = ("Optimizer.", "muon.", "owner.", "ProfilerStep")
+
+
+def named_ranges(averages, steps: int, prefixes: tuple[str, ...] = RANGE_PREFIXES) -> list[str]:
+    """The optimizers' named ranges (`record_function`): CPU time inside each against the GPU span of its
+    kernels, per step. A range whose CPU time exceeds its GPU span is bound by launching, not by its kernels."""
+    from torch.autograd import DeviceType
+
+    cpu, gpu, calls = {}, {}, {}
+    for event in averages:
+        if not event.key.startswith(prefixes):
+            continue
+        if event.device_type == DeviceType.CPU:
+            cpu[event.key] = cpu.get(event.key, 0.0) + event.cpu_time_total
+            calls[event.key] = calls.get(event.key, 0) + event.count
+        elif getattr(event, "is_user_annotation", False):
+            gpu[event.key] = gpu.get(event.key, 0.0) + event.device_time_total
+    if not cpu:
+        return []
+    lines = ["| named range | calls/step | CPU ms/step | GPU span ms/step |", "|---|---:|---:|---:|"]
+    for name in sorted(cpu, key=lambda n: -cpu[n])[:40]:
+        span = f"{gpu[name] / 1e3 / steps:.2f}" if name in gpu else "-"
+        lines.append(f"| `{name[:90]}` | {calls[name] / steps:.0f} | {cpu[name] / 1e3 / steps:.2f} | {span} |")
+    return lines
+
+
 def write_profile(path: Path, rung, run_steps, top: int = 80, steps: int = 2) -> None:
     """Kernel time of `steps` training steps of `rung`: per category, then the top operators and kernels."""
     from torch.autograd import DeviceType
@@ -205,6 +231,7 @@ def write_profile(path: Path, rung, run_steps, top: int = 80, steps: int = 2) ->
         elif event.device_type == DeviceType.CPU:
             cpu_events.append(span)
     summary = [*category_table(kernels, steps), "", *idle_gaps(intervals, steps, cpu_events=cpu_events), "",
+               *named_ranges(averages, steps), "",
                *top_kernels_per_category(kernels, steps)] if kernels else ["(no GPU kernels: CPU run)"]
     # Operator rows (aten::mm, our custom ops) and the kernels they launch are both listed; the table's footer
     # ("Self CUDA time total") counts each kernel once.

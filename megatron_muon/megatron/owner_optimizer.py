@@ -6,9 +6,11 @@ gradients in place, fp32 masters and momentum exist on the owner only, and DDP's
 updated 16-bit matrices back (after the step, or bucket by bucket in the next forward with `overlap_param_gather`).
 AdamW takes every other parameter on megatron's DistributedOptimizer.
 
-With `overlap_grad_reduce`, each owner starts Newton–Schulz for a bucket as soon as that bucket's reduce-scatter has
-landed, on a side stream while the backward continues (a hook on the parameters' gradient accumulators, after DDP's
-own). That work assumes the step will not clip: `OwnerMuonChain.get_grad_norm` tells the engines whether the clip
+Where Newton–Schulz starts (`newton_schulz_start`): `bucket` (with `overlap_grad_reduce`) for each bucket as soon as
+its reduce-scatter has landed, on a side stream while the backward continues (a hook on the parameters' gradient
+accumulators, after DDP's own); `backward_end` for all owned matrices at once, one batch per shape, on the side
+stream when the step prepares its gradients, so the host queues it before it blocks reading the gradient norm and
+the GPU runs it while the host queues the step; `step` inside the step. The first two assume the step will not clip: `OwnerMuonChain.get_grad_norm` tells the engines whether the clip
 factor is 1, and a clipped step recomputes (`WaveMuon`). Clipping comes in runs (early training, loss spikes), so
 after a clipped step the next one waits for its clip factor instead of speculating.
 """
@@ -23,8 +25,11 @@ from megatron.core.optimizer.layer_wise_optimizer import (
     _bucket_is_managed_by_layer_wise_optimizer,
 )
 from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+from torch.profiler import record_function
 
 from megatron_muon.optimizer.wave_muon import WaveMuon
+
+NEWTON_SCHULZ_STARTS = ("bucket", "backward_end", "step")  # where each owner starts its Newton–Schulz
 
 
 def _muon_bucket_groups(chunk) -> list:
@@ -53,21 +58,20 @@ def _check_layouts_agree(model_chunks, pg_collection) -> None:
 class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     """Megatron's layer-wise distributed optimizer over owner-laid-out DDP buffers, Newton–Schulz in the backward.
 
-    Args beyond megatron's: `overlap_newton_schulz` (default True) starts each bucket's Newton–Schulz once its
-    gradients have been reduced; it takes effect where DDP reduces buckets during the backward
-    (`overlap_grad_reduce`). `graph_newton_schulz` replays each bucket's Newton–Schulz from a CUDA graph once its
-    inputs have repeated (`SpeculationGraphs`), so the backward's CPU thread launches one graph instead of the
-    bucket's kernels."""
+    Args beyond megatron's: `newton_schulz_start` (`NEWTON_SCHULZ_STARTS`, module docstring); `bucket` takes effect
+    where DDP reduces buckets during the backward (`overlap_grad_reduce`). `graph_newton_schulz` replays each
+    speculation from a CUDA graph once its inputs have repeated (`SpeculationGraphs`), so the CPU thread launches
+    one graph instead of its kernels."""
 
     def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None,
-                 overlap_newton_schulz: bool = True, graph_newton_schulz: bool = False):
+                 newton_schulz_start: str = "bucket", graph_newton_schulz: bool = False):
         if not config.bf16:  # megatron's layer-wise optimizer wraps bf16 only; fp32/fp64 get megatron's FP32 wrapper
             fns = init_state_fn_list or [None] * len(optimizers)
             optimizers = [FP32Optimizer(o, config, fn or (lambda *_: None)) for o, fn in zip(optimizers, fns)]
             init_state_fn_list = None
         _check_layouts_agree(model_chunks or [], pg_collection)
         super().__init__(optimizers, config, pg_collection, init_state_fn_list, model_chunks)
-        self.overlap_newton_schulz = overlap_newton_schulz
+        self.newton_schulz_start = newton_schulz_start
         self.graph_newton_schulz = graph_newton_schulz
         self._last_step_clipped = False  # clipping comes in runs: after a clipped step, wait for the step's factor
         self.engines = [child.optimizer for child in self.chained_optimizers if isinstance(child.optimizer, WaveMuon)]
@@ -77,6 +81,25 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         self.wave_log: list[tuple[str, int]] = []  # ("reduced" | "speculated", wave) in order, for tests
         self._hooks = []
         self._install_waves(model_chunks or [])
+
+    @property
+    def newton_schulz_start(self) -> str:
+        return self._newton_schulz_start
+
+    @newton_schulz_start.setter
+    def newton_schulz_start(self, start: str) -> None:
+        if start not in NEWTON_SCHULZ_STARTS:
+            raise ValueError(f"newton_schulz_start must be one of {NEWTON_SCHULZ_STARTS}, got {start!r}")
+        self._newton_schulz_start = start
+
+    @property
+    def overlap_newton_schulz(self) -> bool:
+        """Whether Newton–Schulz starts before the step (`bucket` or `backward_end`); setting True means `bucket`."""
+        return self._newton_schulz_start != "step"
+
+    @overlap_newton_schulz.setter
+    def overlap_newton_schulz(self, overlap: bool) -> None:
+        self.newton_schulz_start = "bucket" if overlap else "step"
 
     def _on_cuda(self) -> bool:
         return any(p.is_cuda for engine in self.engines for g in engine.param_groups for p in g["params"])
@@ -117,7 +140,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     def _wave_hook(self, wave: int):
         def hook(*_):
             group, members = self._waves[wave]
-            if not self.overlap_newton_schulz or self._last_step_clipped or wave in self._started \
+            if self._newton_schulz_start != "bucket" or self._last_step_clipped or wave in self._started \
                     or group.grad_reduce_handle is None:
                 return
             self._started.add(wave)
@@ -125,17 +148,20 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
             self._launch(wave, group.grad_reduce_handle, members)
         return hook
 
-    def _launch(self, wave: int, handle, members) -> None:
+    def _launch(self, wave: int | None, handle, members) -> None:
+        """Speculate `wave` (None: every wave, batched by shape) once `handle` (None: nothing) has landed."""
         grads = {id(param): model_param.main_grad for _, param, model_param in members}
         engines = {id(engine): engine for engine, _, _ in members}.values()
         if self._stream is None:
-            handle.wait()
+            if handle is not None:
+                handle.wait()
             for engine in engines:
                 engine.speculate(wave, lambda p: grads[id(p)])
         else:
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
-                handle.wait()
+                if handle is not None:
+                    handle.wait()
                 for engine in engines:
                     engine.speculate(wave, lambda p: grads[id(p)], graphed=self.graph_newton_schulz)
         self.wave_log.append(("speculated", wave))
@@ -146,7 +172,12 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         the host can read it while the last waves' Newton–Schulz still runs, and queue the step behind it
         (`join_newton_schulz`, before anything writes a gradient, a buffer or a parameter)."""
         self._started.clear()
-        return super().prepare_grads()
+        with record_function("owner.prepare_grads"):
+            found_inf = super().prepare_grads()
+        if self._newton_schulz_start == "backward_end" and not self._last_step_clipped and not found_inf:
+            with record_function("owner.speculate_all"):
+                self._launch(None, None, [member for _, members in self._waves for member in members])
+        return found_inf
 
     def join_newton_schulz(self) -> None:
         """Order everything after this on the step's stream behind the speculative Newton–Schulz."""
@@ -156,7 +187,8 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
         self.join_newton_schulz()  # also when no chain showed this optimizer the gradient norm
-        return super().step_with_ready_grads()
+        with record_function("owner.step_with_ready_grads"):
+            return super().step_with_ready_grads()
 
     # ---- checkpoints: model-space tensors written by their owners, so they reshard to any tp/pp/dp layout ----
 
@@ -283,7 +315,8 @@ class OwnerMuonChain(ChainedOptimizer):
 
     @torch.no_grad()
     def get_grad_norm(self):
-        norm = super().get_grad_norm()
+        with record_function("owner.grad_norm"):
+            norm = super().get_grad_norm()
         for child in self.chained_optimizers:
             if isinstance(child, OwnerMuonOptimizer):
                 child.allow_speculation(norm, self.model_chunks)

@@ -298,11 +298,13 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return loss
         if self.check_finite:
-            self._check_grads_finite(params, grads, group_of)
+            with record_function("muon.check_finite"):
+                self._check_grads_finite(params, grads, group_of)
         plan = self._plan(params, group_of)
         fused = fused_passes.use_fused(self.fused_elementwise, params[0].device)
         factor, self.pending_grad_factor = self.pending_grad_factor, None
-        sources = self._momentum_sources(params, grads, group_of, fused, factor)
+        with record_function("muon.momentum_sources"):
+            sources = self._momentum_sources(params, grads, group_of, fused, factor)
         for bucket_index, bucket in enumerate(plan.buckets):
             ortho, full_shape = self._bucket_update(bucket_index, bucket, plan, sources, factor)
             by_group: dict[int, tuple[list, list, list]] = {}

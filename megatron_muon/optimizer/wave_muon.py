@@ -60,16 +60,20 @@ class WaveMuon(Muon):
         return params, group_of
 
     @torch.no_grad()
-    def speculate(self, wave: int, grad_of: Callable[[torch.Tensor], torch.Tensor], graphed: bool = False) -> int:
+    def speculate(self, wave: int | None, grad_of: Callable[[torch.Tensor], torch.Tensor], graphed: bool = False) -> int:
         """Orthogonalize the momentum updates of `wave` from the gradients `grad_of(param)`; returns the number of
-        buckets prepared. Reads the momentum buffers and parameters, writes nothing. `graphed` replays the wave from
-        a CUDA graph when its inputs are the tensors of an earlier call (`SpeculationGraphs`); same results."""
+        buckets prepared. `wave=None` takes every parameter at once, one batch per shape (all gradients final).
+        Reads the momentum buffers and parameters, writes nothing. `graphed` replays the wave from a CUDA graph when
+        its inputs are the tensors of an earlier call (`SpeculationGraphs`); same results."""
         params, group_of = self._all_params()
         if not params:
             return 0
-        self._by_wave = True
+        if self._prepared and self._by_wave != (wave is not None):
+            raise ValueError("speculate(None) batches every wave and cannot mix with per-wave speculation of the "
+                             "same gradients: call discard_speculation() first, or use one kind per step")
+        self._by_wave = wave is not None
         plan = self._plan(params, group_of)
-        buckets = [(index, bucket) for index, bucket in enumerate(plan.buckets) if bucket.wave == wave]
+        buckets = [(index, bucket) for index, bucket in enumerate(plan.buckets) if wave is None or bucket.wave == wave]
         grads = {index: grad_of(params[index]) for _, bucket in buckets for index, _ in bucket.items}
 
         def eager():
@@ -86,7 +90,8 @@ class WaveMuon(Muon):
             return prepared, matrices  # counted once per call below, replayed or not
 
         if graphed and buckets and self.graphs.disabled is None and self._graphable(plan, buckets, grads):
-            prepared, matrices = self.graphs.run(wave, self._graph_key(plan, buckets, grads), eager)
+            prepared, matrices = self.graphs.run(-1 if wave is None else wave, self._graph_key(plan, buckets, grads),
+                                                 eager)
         else:
             prepared, matrices = eager()
         self.orthogonalized_matrices += matrices
@@ -160,8 +165,7 @@ class WaveMuon(Muon):
                 self.speculation_discarded += len(prepared)
             self._by_wave = False  # nothing speculated to reuse: one batch per shape, as Muon
             return super().step(closure)
-        self._by_wave = True
-        self._prepared = prepared
+        self._prepared = prepared  # _by_wave stays as the speculation left it: the step reuses its plan
         plan = self._plan(params, group_of)
         self._for_step = self._usable(plan)
         self._for_step_params = {id(plan.params[index]) for b in self._for_step for index, _ in plan.buckets[b].items}

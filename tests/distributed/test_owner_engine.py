@@ -68,6 +68,54 @@ def test_a_clipped_step_recomputes_what_the_backward_speculated(rank_pool_2):
             assert max_relative_error(after["params"], run["params"])[1] == 0.0
 
 
+def _starts(rank, world_size, clip_grad):
+    """One run per place where Newton–Schulz starts (in the backward per bucket, at its end batched, in the step)."""
+    from megatron_muon.megatron.owner_optimizer import NEWTON_SCHULZ_STARTS
+    from megatron_muon.testing.training import full_parameters
+
+    runs = {}
+    with one_thread():
+        for start in NEWTON_SCHULZ_STARTS:
+            model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=clip_grad, ddp_overrides=OVERLAP)
+            owner = owner_optimizers(optimizer)[0]
+            owner.newton_schulz_start = start
+            losses = [train_step(model, optimizer, step) for step in range(3)]
+            runs[start] = {"losses": losses, "params": full_parameters(model), "log": list(owner.wave_log),
+                           "used": sum(e.speculation_used for e in owner.engines),
+                           "discarded": sum(e.speculation_discarded for e in owner.engines)}
+    return runs
+
+
+@pytest.mark.parametrize("clip_grad", [0.0, 1e-3])
+def test_every_newton_schulz_start_trains_to_the_steps_parameters_bit_for_bit(rank_pool_2, clip_grad):
+    """`backward_end` speculates every owned matrix once per step (batched by shape, before the host reads the
+    norm) and the step uses it unless the step clips; `bucket` and `backward_end` end where `step` ends, bit for bit."""
+    from megatron_muon.testing.training import max_relative_error
+
+    for result in rank_pool_2.run(_starts, clip_grad):
+        step, batched = result["step"], result["backward_end"]
+        assert step["used"] == step["discarded"] == 0 and not step["log"]
+        assert [kind for kind, wave in batched["log"]] == ["speculated"] * len(batched["log"])
+        assert all(wave is None for _, wave in batched["log"])
+        if clip_grad == 0.0:
+            assert len(batched["log"]) == 3 and batched["used"] > 0 and batched["discarded"] == 0
+        else:  # the first step speculates and clips; after a clipped step the engine waits for the clip factor
+            assert len(batched["log"]) == 1 and batched["used"] == 0 and batched["discarded"] > 0
+        for start in ("bucket", "backward_end"):
+            assert result[start]["losses"] == step["losses"], start
+            assert max_relative_error(step["params"], result[start]["params"])[1] == 0.0, start
+
+
+def test_an_unknown_newton_schulz_start_names_the_choices():
+    from megatron_muon.megatron.owner_optimizer import OwnerMuonOptimizer
+
+    owner = OwnerMuonOptimizer.__new__(OwnerMuonOptimizer)
+    with pytest.raises(ValueError, match="backward_end"):
+        owner.newton_schulz_start = "forward"
+    owner.overlap_newton_schulz = False
+    assert owner.newton_schulz_start == "step" and not owner.overlap_newton_schulz
+
+
 def _memory(rank, world_size, name, precision):
     from megatron_muon.metrics.memory import measured_memory, predicted_memory
     from megatron_muon.testing.parallel import init_model_parallel
