@@ -260,8 +260,9 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
             raise ValueError(f"non-finite gradient norm ({norm}): a NaN or Inf gradient reached the optimizer, first in "
                              f"{_first_non_finite(model_chunks)}; no optimizer state was changed. Lower the learning "
                              "rate or skip this batch (megatron's check_for_nan_in_grad stops at the source).")
-        self.join_newton_schulz()  # megatron clips (writes the gradients) next
         valid = clip <= 0.0 or clip / (norm + 1.0e-6) >= 1.0
+        if not valid:  # megatron may clip (write the gradients) next; unclipped, the step joins the side stream
+            self.join_newton_schulz()
         self._last_step_clipped = not valid
         for engine in self.engines:
             engine.speculation_valid = valid
@@ -321,6 +322,17 @@ class OwnerMuonChain(ChainedOptimizer):
             if isinstance(child, OwnerMuonOptimizer):
                 child.allow_speculation(norm, self.model_chunks)
         return norm
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """megatron's chained step with the owner engines last: the AdamW step runs on the step's stream while the
+        owners' Newton–Schulz still finishes on the side stream."""
+        if self.config.overlap_param_gather_with_optimizer_step or self._should_defer_mxfp8_param_sync():
+            return super().step_with_ready_grads()
+        success = True
+        for optimizer in sorted(self.chained_optimizers, key=lambda o: isinstance(o, OwnerMuonOptimizer)):
+            success &= optimizer.step_with_ready_grads()
+        return success
 
     def load_state_dict(self, state_dict):
         from megatron.core.optimizer import distrib_optimizer
