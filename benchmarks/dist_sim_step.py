@@ -37,11 +37,12 @@ from e2e import _free_memory, _git_revision, train_steps  # noqa: E402
 
 VARIANTS = {  # label, optimizer, where Newton-Schulz starts (+ graphs), whether the step runs on a high-priority stream
     "adam": ("megatron DistributedOptimizer, AdamW (fused)", "adam", "bucket", False),
-    "ours": ("muon + distributed optimizer: owner engine, Newton-Schulz in the backward", "muon", "bucket", False),
+    "ours": ("muon + distributed optimizer: owner engine, each bucket's Newton-Schulz in the backward", "muon",
+             "bucket", False),
     "ours-graphs": ("owner engine, Newton-Schulz in the backward replayed from CUDA graphs", "muon", "bucket+graphs",
                     False),
-    "ours-end": ("owner engine, Newton-Schulz of all owned matrices at the backward's end, queued before the host "
-                 "reads the norm", "muon", "backward_end", False),
+    "ours-end": ("owner engine (default), Newton-Schulz of all owned matrices at the backward's end, queued before "
+                 "the host reads the norm", "muon", "backward_end", False),
     "ours-after": ("owner engine, Newton-Schulz after the backward", "muon", "step", False),
     "adam-priority": ("AdamW, the step on a high-priority stream", "adam", "bucket", True),
     "ours-priority": ("owner engine, the step on a high-priority stream above its Newton-Schulz", "muon", "bucket",

@@ -53,15 +53,17 @@ class Variant:
     distributed_optimizer: bool = False  # megatron's ZeRO-1 DistributedOptimizer (AdamW's usual setting)
     plan_method: str = "auto"
     plan_cost: object = None  # None: Newton–Schulz FLOPs, or a CostModel
-    overlap_newton_schulz: bool = True
+    newton_schulz_start: str = "backward_end"  # the owner engine's NEWTON_SCHULZ_STARTS
 
 
 VARIANTS = {v.key: v for v in (
     Variant("adam", "megatron DistributedOptimizer, AdamW (fused)", "adam", distributed_optimizer=True),
-    Variant("ours", "our muon + distributed optimizer (owner plan: MILP on NS FLOPs, NS in the backward)", "muon",
-            distributed_optimizer=True),
+    Variant("ours", "our muon + distributed optimizer (owner plan: MILP on NS FLOPs, NS queued at the backward's "
+            "end)", "muon", distributed_optimizer=True),
+    Variant("ours-buckets", "ours, each bucket's Newton-Schulz in the backward", "muon", distributed_optimizer=True,
+            newton_schulz_start="bucket"),
     Variant("ours-no-overlap", "ours, Newton-Schulz after the backward", "muon", distributed_optimizer=True,
-            overlap_newton_schulz=False),
+            newton_schulz_start="step"),
     Variant("ours-greedy", "ours (owner plan: greedy on NS FLOPs)", "muon", distributed_optimizer=True,
             plan_method="greedy"),
     Variant("ours-numel", "ours (owner plan: balanced by numel, as upstream)", "muon", distributed_optimizer=True,
@@ -158,8 +160,8 @@ def run_variant(base_recipe, variant: Variant, ctx, args, timer: NewtonSchulzTim
         plan = OwnerPlanSettings(variant.plan_method, variant.plan_cost)
         model, optimizer, _ = build_rung(recipe, rung, ctx.device.type == "cuda", owner_plan=plan)
         for member in getattr(optimizer, "chained_optimizers", []):
-            if hasattr(member, "overlap_newton_schulz"):
-                member.overlap_newton_schulz = variant.overlap_newton_schulz
+            if hasattr(member, "newton_schulz_start"):
+                member.newton_schulz_start = variant.newton_schulz_start
         batches = MicroBatches(build_train_dataset(recipe, args.data_dir), 1, ctx.world_size,
                                ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ctx.device)
         records = train_steps(model, optimizer, batches, recipe, args.warmup)

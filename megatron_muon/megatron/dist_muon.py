@@ -110,7 +110,8 @@ def build_owner_muon(config, model_chunks, config_overrides, pg_collection):
         tp_group = _duplicate_group(pg_collection.tp)
         kwargs["tp_group_fn"] = lambda param: tp_group
     engine = WaveMuon(muon_groups, **kwargs)
-    muon = OwnerMuonOptimizer([engine], config, pg_collection, [entry.init_state_fn], list(model_chunks))
+    muon = OwnerMuonOptimizer([engine], config, pg_collection, [entry.init_state_fn], list(model_chunks),
+                              newton_schulz_start=getattr(config, "muon_newton_schulz_start", "backward_end"))
     chained = [muon]
     if other_groups:
         process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(

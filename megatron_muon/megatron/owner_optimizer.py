@@ -55,6 +55,13 @@ def _check_layouts_agree(model_chunks, pg_collection) -> None:
                          "way on every rank (megatron_muon.megatron.owner_layout.compute_full_param_layout does)")
 
 
+def _check_start(start: str) -> str:
+    if start not in NEWTON_SCHULZ_STARTS:
+        raise ValueError(f"unknown Newton–Schulz start {start!r} (muon_newton_schulz_start, the recipe's "
+                         f"optimizer.muon_newton_schulz_start); valid choices: {NEWTON_SCHULZ_STARTS}")
+    return start
+
+
 class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     """Megatron's layer-wise distributed optimizer over owner-laid-out DDP buffers, Newton–Schulz in the backward.
 
@@ -64,7 +71,8 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     one graph instead of its kernels."""
 
     def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None,
-                 newton_schulz_start: str = "bucket", graph_newton_schulz: bool = False):
+                 newton_schulz_start: str = "backward_end", graph_newton_schulz: bool = False):
+        _check_start(newton_schulz_start)
         if not config.bf16:  # megatron's layer-wise optimizer wraps bf16 only; fp32/fp64 get megatron's FP32 wrapper
             fns = init_state_fn_list or [None] * len(optimizers)
             optimizers = [FP32Optimizer(o, config, fn or (lambda *_: None)) for o, fn in zip(optimizers, fns)]
@@ -88,9 +96,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
 
     @newton_schulz_start.setter
     def newton_schulz_start(self, start: str) -> None:
-        if start not in NEWTON_SCHULZ_STARTS:
-            raise ValueError(f"newton_schulz_start must be one of {NEWTON_SCHULZ_STARTS}, got {start!r}")
-        self._newton_schulz_start = start
+        self._newton_schulz_start = _check_start(start)
 
     @property
     def overlap_newton_schulz(self) -> bool:

@@ -43,7 +43,7 @@ def optimizer_config(recipe: Recipe):
     opt, precision = recipe.optimizer, recipe.training.precision
     # As Megatron-LM does: `dist_X` is X inside megatron's layer-wise distributed optimizer.
     layer_wise = opt.name.startswith("dist_")
-    return OptimizerConfig(
+    config = OptimizerConfig(
         optimizer=opt.name.removeprefix("dist_"),
         use_layer_wise_distributed_optimizer=layer_wise,
         lr=opt.lr,
@@ -67,6 +67,8 @@ def optimizer_config(recipe: Recipe):
         use_distributed_optimizer=recipe.parallel.use_distributed_optimizer and not layer_wise,
         overlap_param_gather=recipe.parallel.overlap_param_gather,
     )
+    config.muon_newton_schulz_start = opt.muon_newton_schulz_start  # the owner engine's (not a megatron option)
+    return config
 
 
 def _sharded_optimizer(recipe: Recipe) -> bool:

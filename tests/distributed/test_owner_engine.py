@@ -11,9 +11,10 @@ from tests.megatron.muon_training import one_thread
 def _wave_order(rank, world_size):
     with one_thread():
         model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=0.0, ddp_overrides=OVERLAP)
+        owner = owner_optimizers(optimizer)[0]
+        owner.newton_schulz_start = "bucket"
         for step in range(3):
             train_step(model, optimizer, step)
-        owner = owner_optimizers(optimizer)[0]
         return {"log": list(owner.wave_log), "waves": len(owner._waves),
                 "used": sum(e.speculation_used for e in owner.engines)}
 
@@ -43,7 +44,7 @@ def _clipped_pair(rank, world_size):
         for name in ("surprised", "settled", "after"):
             model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=1e-3, ddp_overrides=OVERLAP)
             owner = owner_optimizers(optimizer)[0]
-            owner.overlap_newton_schulz = name != "after"
+            owner.newton_schulz_start = "step" if name == "after" else "bucket"
             losses = []
             for step in range(3):
                 if name == "surprised":
@@ -110,7 +111,7 @@ def test_an_unknown_newton_schulz_start_names_the_choices():
     from megatron_muon.megatron.owner_optimizer import OwnerMuonOptimizer
 
     owner = OwnerMuonOptimizer.__new__(OwnerMuonOptimizer)
-    with pytest.raises(ValueError, match="backward_end"):
+    with pytest.raises(ValueError, match="optimizer.muon_newton_schulz_start.*backward_end"):
         owner.newton_schulz_start = "forward"
     owner.overlap_newton_schulz = False
     assert owner.newton_schulz_start == "step" and not owner.overlap_newton_schulz
@@ -163,6 +164,7 @@ def _nan_gradient(rank, world_size):
 
     with one_thread():  # Newton–Schulz in the backward: the NaN step has speculated updates to throw away
         model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=0.0, ddp_overrides=OVERLAP)
+        owner_optimizers(optimizer)[0].newton_schulz_start = "bucket"
         train_step(model, optimizer, 0)  # megatron's DDP reduces its first backward's buckets only at the end
         engines = owner_optimizers(optimizer)[0].engines
         speculated_before = sum(e.speculated_buckets for e in engines)
