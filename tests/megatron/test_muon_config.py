@@ -44,6 +44,19 @@ def test_the_recipe_and_the_optimizer_config_it_builds_agree():
     assert MuonConfig.from_options(recipe.optimizer).orthogonalizer.steps == 4
 
 
+def test_the_recipes_newton_schulz_start_reaches_the_optimizer_config_and_is_checked():
+    from megatron_muon.training.loop import optimizer_config
+    from megatron_muon.training.recipes import load_recipe
+    from megatron_muon.training.config import RecipeError
+    from megatron_muon.training.validation import validate
+
+    assert optimizer_config(load_recipe("tiny-cpu")).muon_newton_schulz_start == "backward_end"
+    recipe = load_recipe("tiny-cpu", ["optimizer.muon_newton_schulz_start=bucket"])
+    assert optimizer_config(recipe).muon_newton_schulz_start == "bucket"
+    with pytest.raises(RecipeError, match="optimizer.muon_newton_schulz_start.*backward_end"):
+        validate(load_recipe("tiny-cpu", ["optimizer.muon_newton_schulz_start=forward"]))
+
+
 @pytest.mark.parametrize("options, match", [
     (dict(muon_fp32_matmul_prec="low"), "muon_fp32_matmul_prec"),
     (dict(muon_coefficient_type="fancy"), "muon_coefficient_type"),
