@@ -117,9 +117,10 @@ def _muon_piece_count(optimizer) -> int:
 
 
 def train_pair(rank, world_size, tp: int, pp: int, precision: str, model: str, steps: int, clip_grad: float = 1.0,
-               ddp_overrides: dict | None = None):
+               ddp_overrides: dict | None = None, newton_schulz_start: str | None = None):
     """dist_muon and muon from the same initial weights on the same layout and batches; also what each step handed
-    to data-parallel collectives (after a first step) and the gradient norm megatron reports."""
+    to data-parallel collectives (after a first step) and the gradient norm megatron reports. `newton_schulz_start`
+    (None: the engine's default) is where dist_muon's owners start Newton–Schulz."""
     from megatron.core import parallel_state as ps
 
     results = {}
@@ -136,6 +137,8 @@ def train_pair(rank, world_size, tp: int, pp: int, precision: str, model: str, s
 
             optimizer.step = step_and_record_norm
             engines = owner_engines(optimizer)
+            for owner in owner_optimizers(optimizer):
+                owner.newton_schulz_start = newton_schulz_start or owner.newton_schulz_start
             losses = [train_step(model_, optimizer, 0)]
             counts: dict = {}
             with counted_collectives(counts, ps.get_data_parallel_group()):

@@ -41,13 +41,14 @@ def pools(rank_pool_1, rank_pool_2, rank_pool_4):
     return {1: rank_pool_1, 2: rank_pool_2, 4: rank_pool_4}
 
 
-def _check_same_layout(pools, layout, model, precision, steps, ddp_overrides=None):
+def _check_same_layout(pools, layout, model, precision, steps, ddp_overrides=None, newton_schulz_start=None):
     """Without clipping the two runs differ only in how gradients reach owners (a reduce-scatter instead of an
     all-reduce) and how updates come back (an all-gather of the 16-bit parameters), which is exact at dp <= 2 (a sum
     of two numbers has one rounding): bit-exact there. At dp > 2 the two collectives add up the ranks' gradients in
     different orders (on NCCL as on gloo), so the runs agree to rounding, amplified by every later step."""
     tp, pp, dp = layout
-    results = _pool(pools, tp * pp * dp).run(train_pair, tp, pp, precision, model, steps, 0.0, ddp_overrides)
+    results = _pool(pools, tp * pp * dp).run(train_pair, tp, pp, precision, model, steps, 0.0, ddp_overrides,
+                                             newton_schulz_start)
     assert results[0]["layout"] == {**results[0]["layout"], "tp": tp, "pp": pp, "dp": dp}
     name, error = max_relative_error(merged_params(results, "muon"), merged_params(results, "dist_muon"))
     if dp <= 2:
@@ -55,7 +56,8 @@ def _check_same_layout(pools, layout, model, precision, steps, ddp_overrides=Non
     else:
         assert error <= 1e-9 if precision == "fp64" else 1e-4, f"{layout} {model}: {name} differs by {error:.2e}"
     last = [r for r in results if r["muon"]["losses"][-1] != 0.0]
-    assert last[0]["dist_muon"]["losses"] == pytest.approx(last[0]["muon"]["losses"], rel=1e-9)
+    loss_rel = 1e-9 if dp <= 2 or precision == "fp64" else 1e-4  # the parameters' bound: rounding, amplified
+    assert last[0]["dist_muon"]["losses"] == pytest.approx(last[0]["muon"]["losses"], rel=loss_rel)
     for result in results:  # world-wide norm over owner-reduced gradients = the all-reduced run's norm
         assert result["dist_muon"]["grad_norms"] == pytest.approx(result["muon"]["grad_norms"], rel=1e-6)
     # every matrix orthogonalized exactly once per step across all ranks
@@ -74,10 +76,13 @@ def test_dist_muon_equals_muon_on_the_same_layout(pools, layout, model, precisio
     _check_same_layout(pools, layout, model, precision, steps=5)
 
 
-def test_newton_schulz_in_the_backward_is_bit_exact(pools):
+@pytest.mark.parametrize("start", ["bucket", "backward_end"])
+def test_newton_schulz_before_the_step_is_bit_exact(pools, start):
     """overlap_grad_reduce with several buckets: each owner orthogonalizes a bucket as soon as its reduce-scatter
-    lands, during the backward, and the step uses those results (no clipping): still bit-exact against muon."""
-    results = _check_same_layout(pools, (1, 1, 2), "gpt", "fp64", steps=4, ddp_overrides=OVERLAP)
+    lands, during the backward (`bucket`), or all its matrices at the backward's end (`backward_end`), and the step
+    uses those results (no clipping): still bit-exact against muon."""
+    results = _check_same_layout(pools, (1, 1, 2), "gpt", "fp64", steps=4, ddp_overrides=OVERLAP,
+                                 newton_schulz_start=start)
     assert all(r["dist_muon"]["speculation_used"] > 0 for r in results)
 
 
