@@ -1,6 +1,7 @@
 """Run under TRITON_INTERPRET=1 in a subprocess: which methods of megatron's objects the fast paths shadow.
 
-A bf16 tiny GPT with megatron's DDP and its mixed-precision optimizer (AdamW, then our Muon) gets every fast path
+A bf16 tiny GPT with megatron's DDP and its mixed-precision optimizer (AdamW, our Muon, then our Muon with the
+distributed optimizer: the owner engine) gets every fast path
 (`install_fast_paths`, and the gradient add and overwrite that it installs only on GPUs), then trains two steps.
 Every attribute set on megatron's wrapper, DDP, bucket-group and buffer objects meanwhile is seen by a spy on their
 classes' `__setattr__`, so replacements made only inside a step count too. Prints JSON: what was shadowed
@@ -71,21 +72,25 @@ def _census(optimizer_name: str) -> dict:
     destroy_model_parallel()
     init_model_parallel(1, 1)
     torch.manual_seed(0)
-    model, optimizer = build_training_setup(optimizer_name, bf16=True, lr=1e-2, clip_grad=0.05)
+    owner = optimizer_name == "dist_muon"  # the owner engine: muon with the distributed optimizer
+    model, optimizer = build_training_setup(optimizer_name, bf16=True, lr=1e-2, clip_grad=0.05,
+                                            ddp_overrides={"overlap_grad_reduce": True, "bucket_size": 6000}
+                                            if owner else None)
     seen: set = set()
     originals = _spy_on([Float16OptimizerWithFloat16Params, ChainedOptimizer, DistributedDataParallel,
                          _ParamAndGradBucketGroup, _ParamAndGradBuffer], seen)
     try:
         installed = install_fast_paths(optimizer, [model])
         hooked = install_main_grad_add(model)  # install_fast_paths takes GPU chunks only; the hooks work on CPU
-        overwrites = install_first_grad_overwrite(model)
+        # as install_fast_paths does on GPUs: the owner engine leaves DDP's zeroing and bucket syncs as they are
+        overwrites = 0 if owner else install_first_grad_overwrite(model)
         listed = [target for target, _ in installed_patches()]
         losses = [float(train_step(model, optimizer, step)) for step in range(2)]
     finally:
         _unspy(originals)
     assert all(torch.isfinite(torch.tensor(losses))), losses
     return {"installed": installed, "hooked": hooked, "overwrites": overwrites, "shadowed": sorted(seen),
-            "listed_after_install": listed}
+            "listed_after_install": listed, "optimizer": type(optimizer).__name__}
 
 
 def main():
@@ -96,7 +101,7 @@ def main():
     torch.distributed.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
     enable_cpu_mode(nan_empty=True)
     megatron_muon.register()
-    report = {name: _census(name) for name in ("adam", "muon")}
+    report = {name: _census(name) for name in ("adam", "muon", "dist_muon")}
     print(json.dumps(report))
     print("interpreter ok")
 

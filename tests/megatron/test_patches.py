@@ -98,6 +98,16 @@ def test_the_fast_paths_shadow_exactly_the_declared_methods_of_megatrons_objects
         assert set(run["listed_after_install"]) & declared == set(run["shadowed"]) - WITHIN_A_STEP
 
 
+def test_the_owner_engine_path_shadows_no_method_of_megatrons_objects(instance_census):
+    """`--optimizer muon --use-distributed-optimizer` with every fast path: megatron's DDP, its bucket groups and
+    the mixed-precision wrappers inside the owner engine keep their own methods (the engine is a class megatron
+    builds, with its own hooks); the AdamW member's one-pass step does not apply to megatron's DistributedOptimizer."""
+    owner = instance_census["dist_muon"]
+    assert owner["optimizer"] == "OwnerMuonChain"
+    assert owner["shadowed"] == [] and owner["overwrites"] == 0 and owner["hooked"] > 0
+    assert owner["installed"]["muon_clip_in_momentum"] == owner["installed"]["muon_model_copy"] == 0
+
+
 def test_an_undeclared_method_replacement_is_refused():
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
