@@ -10,8 +10,9 @@ Where Newton–Schulz starts (`newton_schulz_start`): `bucket` (with `overlap_gr
 its reduce-scatter has landed, on a side stream while the backward continues (a hook on the parameters' gradient
 accumulators, after DDP's own); `backward_end` for all owned matrices at once, one batch per shape, on the side
 stream when the step prepares its gradients, so the host queues it before it blocks reading the gradient norm and
-the GPU runs it while the host queues the step; `step` inside the step. The first two assume the step will not clip: `OwnerMuonChain.get_grad_norm` tells the engines whether the clip
-factor is 1, and a clipped step recomputes (`WaveMuon`). Clipping comes in runs (early training, loss spikes), so
+the GPU runs it while the host queues the step; `step` inside the step. The first two assume the step will not
+clip: `OwnerMuonChain.get_grad_norm` tells the engines whether the clip factor is 1, and a clipped step recomputes
+(`WaveMuon`). Clipping comes in runs (early training, loss spikes), so
 after a clipped step the next one waits for its clip factor instead of speculating.
 """
 
@@ -63,7 +64,7 @@ def _check_start(start: str) -> str:
 
 
 class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
-    """Megatron's layer-wise distributed optimizer over owner-laid-out DDP buffers, Newton–Schulz in the backward.
+    """Megatron's layer-wise distributed optimizer over owner-laid-out DDP buffers, Newton–Schulz ahead of the step.
 
     Args beyond megatron's: `newton_schulz_start` (`NEWTON_SCHULZ_STARTS`, module docstring); `bucket` takes effect
     where DDP reduces buckets during the backward (`overlap_grad_reduce`). `graph_newton_schulz` replays each
@@ -174,9 +175,10 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        """The step's stream does not wait for the side stream here: the gradient norm only reads the gradients, so
-        the host can read it while the last waves' Newton–Schulz still runs, and queue the step behind it
-        (`join_newton_schulz`, before anything writes a gradient, a buffer or a parameter)."""
+        """With `backward_end`, queue every owned matrix's Newton–Schulz here, before the host blocks on the norm.
+        The step's stream does not wait for the side stream: the gradient norm only reads the gradients, so the host
+        can read it while Newton–Schulz still runs, and queue the step behind it (`join_newton_schulz`, before
+        anything writes a gradient, a buffer or a parameter)."""
         self._started.clear()
         with record_function("owner.prepare_grads"):
             found_inf = super().prepare_grads()
