@@ -60,7 +60,8 @@ class WaveMuon(Muon):
         return params, group_of
 
     @torch.no_grad()
-    def speculate(self, wave: int | None, grad_of: Callable[[torch.Tensor], torch.Tensor], graphed: bool = False) -> int:
+    def speculate(self, wave: int | None, grad_of: Callable[[torch.Tensor], torch.Tensor],
+                  graphed: bool = False) -> int:
         """Orthogonalize the momentum updates of `wave` from the gradients `grad_of(param)`; returns the number of
         buckets prepared. `wave=None` takes every parameter at once, one batch per shape (all gradients final).
         Reads the momentum buffers and parameters, writes nothing. `graphed` replays the wave from a CUDA graph when
