@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 
 from megatron_muon.megatron.owner_layout import TAG, tag_fused_projections
-from megatron_muon.megatron.owner_optimizer import OwnerMuonChain, OwnerMuonOptimizer
+from megatron_muon.megatron.owner_optimizer import DEFAULT_NEWTON_SCHULZ_START, OwnerMuonChain, OwnerMuonOptimizer
 from megatron_muon.optimizer.wave_muon import WaveMuon
 
 _WRAP_HINT = ("wrap the model the way Megatron-LM does for `--optimizer muon --use-distributed-optimizer`: tag the "
@@ -111,7 +111,8 @@ def build_owner_muon(config, model_chunks, config_overrides, pg_collection):
         kwargs["tp_group_fn"] = lambda param: tp_group
     engine = WaveMuon(muon_groups, **kwargs)
     muon = OwnerMuonOptimizer([engine], config, pg_collection, [entry.init_state_fn], list(model_chunks),
-                              newton_schulz_start=getattr(config, "muon_newton_schulz_start", "backward_end"))
+                              newton_schulz_start=getattr(config, "muon_newton_schulz_start",
+                                                          DEFAULT_NEWTON_SCHULZ_START))
     chained = [muon]
     if other_groups:
         process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(

@@ -12,8 +12,8 @@ accumulators, after DDP's own); `backward_end` for all owned matrices at once, o
 stream when the step prepares its gradients, so the host queues it before it blocks reading the gradient norm and
 the GPU runs it while the host queues the step; `step` inside the step. The first two assume the step will not
 clip: `OwnerMuonChain.get_grad_norm` tells the engines whether the clip factor is 1, and a clipped step recomputes
-(`WaveMuon`). Clipping comes in runs (early training, loss spikes), so
-after a clipped step the next one waits for its clip factor instead of speculating.
+(`WaveMuon`). Clipping comes in runs (early training, loss spikes), so after a clipped step the next one waits for
+its clip factor instead of speculating.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch.profiler import record_function
 from megatron_muon.optimizer.wave_muon import WaveMuon
 
 NEWTON_SCHULZ_STARTS = ("bucket", "backward_end", "step")  # where each owner starts its Newton–Schulz
+DEFAULT_NEWTON_SCHULZ_START = "backward_end"  # measured in benchmarks/results/dist_sim_step.md
 
 
 def _muon_bucket_groups(chunk) -> list:
@@ -72,7 +73,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     one graph instead of its kernels."""
 
     def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None,
-                 newton_schulz_start: str = "backward_end", graph_newton_schulz: bool = False):
+                 newton_schulz_start: str = DEFAULT_NEWTON_SCHULZ_START, graph_newton_schulz: bool = False):
         _check_start(newton_schulz_start)
         if not config.bf16:  # megatron's layer-wise optimizer wraps bf16 only; fp32/fp64 get megatron's FP32 wrapper
             fns = init_state_fn_list or [None] * len(optimizers)
@@ -90,6 +91,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         self.wave_log: list[tuple[str, int]] = []  # ("reduced" | "speculated", wave) in order, for tests
         self._hooks = []
         self._install_waves(model_chunks or [])
+        self._all_members = [member for _, members in self._waves for member in members]  # backward_end's wave
 
     @property
     def newton_schulz_start(self) -> str:
@@ -184,7 +186,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
             found_inf = super().prepare_grads()
         if self._newton_schulz_start == "backward_end" and not self._last_step_clipped and not found_inf:
             with record_function("owner.speculate_all"):
-                self._launch(None, None, [member for _, members in self._waves for member in members])
+                self._launch(None, None, self._all_members)
         return found_inf
 
     def join_newton_schulz(self) -> None:
