@@ -45,9 +45,6 @@ VARIANTS = {  # label, optimizer, where Newton-Schulz starts (+ graphs), whether
                  "the host reads the norm", "muon", "backward_end", False),
     "ours-end-graphs": ("owner engine, Newton-Schulz of all owned matrices at the backward's end replayed from one "
                         "CUDA graph", "muon", "backward_end+graphs", False),
-    "ours-end-graphs3": ("owner engine, Newton-Schulz of all owned matrices at the backward's end replayed from one "
-                         "CUDA graph whose shapes run on three parallel branches", "muon", "backward_end+graphs3",
-                         False),
     "ours-after": ("owner engine, Newton-Schulz after the backward", "muon", "step", False),
     "adam-priority": ("AdamW, the step on a high-priority stream", "adam", "bucket", True),
     "ours-priority": ("owner engine, the step on a high-priority stream above its Newton-Schulz", "muon", "bucket",
@@ -121,11 +118,8 @@ def build(recipe, newton_schulz_start: str):
     install_fast_paths(optimizer, [model], main_grad_add=False, first_grad_overwrite=not uses_owner_engine(recipe))
     for member in getattr(optimizer, "chained_optimizers", []):
         if hasattr(member, "newton_schulz_start"):
-            start, graphs, branches = newton_schulz_start.partition("+graphs")
-            member.newton_schulz_start = start
-            member.graph_newton_schulz = bool(graphs)
-            for engine in getattr(member, "engines", []):
-                engine.graph_branches = int(branches or 1)
+            member.newton_schulz_start = newton_schulz_start.removesuffix("+graphs")
+            member.graph_newton_schulz = newton_schulz_start.endswith("+graphs")
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer

@@ -235,5 +235,7 @@ def write_profile(path: Path, rung, run_steps, top: int = 80, steps: int = 2) ->
                *top_kernels_per_category(kernels, steps)] if kernels else ["(no GPU kernels: CPU run)"]
     # Operator rows (aten::mm, our custom ops) and the kernels they launch are both listed; the table's footer
     # ("Self CUDA time total") counts each kernel once.
+    path.with_suffix(".kernels.json").write_text(json.dumps(  # full names, for diffs between profiles
+        {"steps": steps, "kernels_ms": {name: total / 1e3 / steps for name, total in sorted(kernels)}}, indent=0))
     path.write_text(f"# Kernel profile: rung {rung.key} ({rung.label}), {steps} steps\n\n"
                     + "\n".join(summary) + f"\n\n```\n{table}\n```\n")

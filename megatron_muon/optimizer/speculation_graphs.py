@@ -27,11 +27,9 @@ class SpeculationGraphs:
         self.replays = 0
         self.disabled: str | None = None  # why graphs are off (a capture failed), None while they are on
 
-    def run(self, wave: int, key: Hashable, speculate: Callable[[], object],
-            capture: Callable[[], object] | None = None) -> object:
+    def run(self, wave: int, key: Hashable, speculate: Callable[[], object]) -> object:
         """`speculate()`'s result for `wave`: replayed when a graph of the same key exists, captured (then replayed)
-        when the previous eager run had the same key, else computed eagerly. `capture` (default `speculate`) is what
-        the graph records: the same kernels on the same tensors, possibly spread over forked streams."""
+        when the previous eager run had the same key, else computed eagerly."""
         captured = self._graphs.get(wave)
         if captured is not None and captured[0] == key:
             captured[1].replay()
@@ -45,7 +43,7 @@ class SpeculationGraphs:
         try:
             with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.current_stream(),
                                   capture_error_mode="thread_local"):
-                outputs = (capture or speculate)()
+                outputs = speculate()
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the exact eager path
             self.disabled = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             warnings.warn(f"Newton–Schulz speculation runs without CUDA graphs: capturing wave {wave} failed "

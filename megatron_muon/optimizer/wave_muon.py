@@ -11,7 +11,6 @@ batches each shape across all waves, as `Muon` does (fewer, larger Newton–Schu
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -39,8 +38,6 @@ class WaveMuon(Muon):
         self._by_wave = False  # buckets split by wave while speculating; a step without speculation batches as Muon
         self._plans: dict[tuple, Plan] = {}
         self.graphs = SpeculationGraphs()
-        self.graph_branches = 1  # streams a captured speculation spreads its shapes over (parallel graph branches)
-        self._branch_streams: list[torch.cuda.Stream] = []
         super().__init__(params, *args, **kwargs)
 
     def _wave(self, param: torch.Tensor) -> int:
@@ -80,58 +77,28 @@ class WaveMuon(Muon):
         buckets = [(index, bucket) for index, bucket in enumerate(plan.buckets) if wave is None or bucket.wave == wave]
         grads = {index: grad_of(params[index]) for _, bucket in buckets for index, _ in bucket.items}
 
-        def eager(branches: int = 1):
+        def eager():
             before = self.orthogonalized_matrices
             prepared = {}
-            with self._branches(buckets, branches) as stream_of:
-                for position, (bucket_index, bucket) in enumerate(buckets):
-                    stream = stream_of(position)
-                    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream), \
-                            record_function(f"muon.speculate {bucket.shape}"):
-                        stacked = self._speculative_stack(bucket, plan, grads)
-                        ortho, full_shape = self._orthogonalize_bucket(bucket, stacked,
-                                                                       narrow_result=self._narrow(bucket, plan))
-                    pointers = tuple(sorted((index, grads[index].data_ptr()) for index, _ in bucket.items))
-                    prepared[bucket_index] = (ortho, full_shape, pointers)
+            for bucket_index, bucket in buckets:
+                with record_function(f"muon.speculate {bucket.shape}"):
+                    stacked = self._speculative_stack(bucket, plan, grads)
+                    ortho, full_shape = self._orthogonalize_bucket(bucket, stacked,
+                                                                   narrow_result=self._narrow(bucket, plan))
+                pointers = tuple(sorted((index, grads[index].data_ptr()) for index, _ in bucket.items))
+                prepared[bucket_index] = (ortho, full_shape, pointers)
             matrices, self.orthogonalized_matrices = self.orthogonalized_matrices - before, before
             return prepared, matrices  # counted once per call below, replayed or not
 
         if graphed and buckets and self.graphs.disabled is None and self._graphable(plan, buckets, grads):
             prepared, matrices = self.graphs.run(-1 if wave is None else wave, self._graph_key(plan, buckets, grads),
-                                                 eager, capture=lambda: eager(self.graph_branches))
+                                                 eager)
         else:
             prepared, matrices = eager()
         self.orthogonalized_matrices += matrices
         self._prepared.update(prepared)
         self.speculated_buckets += len(prepared)
         return len(prepared)
-
-    @contextlib.contextmanager
-    def _branches(self, buckets, count: int):
-        """Shapes on `count` streams forked from the current one (longest first onto the least loaded, by
-        Newton–Schulz FLOPs) and joined back at the end. Only a graph capture asks for more than one: its branches
-        then run side by side on replay, and its memory belongs to the graph, so no tensor outlives a stream that the
-        caching allocator would hand it back to."""
-        count = min(count, len(buckets))
-        if count <= 1:
-            yield lambda position: None
-            return
-        origin = torch.cuda.current_stream()
-        while len(self._branch_streams) < count:
-            self._branch_streams.append(torch.cuda.Stream())
-        streams, load, lane = self._branch_streams[:count], [0.0] * count, {}
-        flops = {position: len(bucket.items) * bucket.shape[0] * bucket.shape[1] * min(bucket.shape)
-                 for position, (_, bucket) in enumerate(buckets)}
-        for position in sorted(flops, key=flops.get, reverse=True):
-            lane[position] = min(range(count), key=load.__getitem__)
-            load[lane[position]] += flops[position]
-        for stream in streams:
-            stream.wait_stream(origin)
-        try:
-            yield lambda position: streams[lane[position]]
-        finally:
-            for stream in streams:
-                origin.wait_stream(stream)
 
     def _graphable(self, plan: Plan, buckets, grads) -> bool:
         """CUDA tensors only, and no tensor-parallel bucket (their all-to-alls run on the TP group's own terms)."""
