@@ -20,6 +20,8 @@ import sys
 import weakref
 from typing import NamedTuple
 
+from megatron_muon.megatron.viewless import COMPILED_CALLERS
+
 
 class Patch(NamedTuple):
     target: str  # dotted module path, then attributes; a trailing ['key'] names a registry entry
@@ -43,6 +45,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.optimizer._get_megatron_emerging_optimizer",
           "routes 'muon' with a distributed optimizer to the owner engine, fp16 to loss scaling; other names unchanged",
           "register"),
+    *(Patch(f"{module}.make_viewless_tensor", "inside torch.compile'd layers megatron's viewless copy (a `.data` "
+            "assignment) breaks the graph and crashes Inductor where a layer ends in a view (Transformer Engine's "
+            "linears); there it returns the tensor itself, elsewhere megatron's function runs", "register")
+      for module in COMPILED_CALLERS),
     Patch("megatron.core.optimizer.clip_grads.l2_norm_impl", _NORM, "register"),
     Patch("megatron.core.optimizer.clip_grads.multi_tensor_scale_impl", _SCALE, "register"),
     Patch("megatron.core.optimizer.optimizer.multi_tensor_scale_impl", _SCALE, "register"),

@@ -12,3 +12,6 @@ def register_into_megatron() -> None:
     from megatron_muon.megatron import tensor_fallbacks
 
     tensor_fallbacks.install_foreach_fallbacks()
+    from megatron_muon.megatron import viewless
+
+    viewless.install_compile_aware_viewless_tensor()
