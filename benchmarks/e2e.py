@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import package_versions  # noqa: E402
 from e2e_report import write_profile, write_report  # noqa: E402
-from e2e_rungs import Rung, build_upstream_model, parse_rungs  # noqa: E402
+from e2e_rungs import Rung, build_upstream_model, build_upstream_te_model, parse_rungs  # noqa: E402
 
 from megatron_muon.ops.kernel_choice import set_gdn_kernels  # noqa: E402
 
@@ -53,7 +53,8 @@ def rung_recipe(recipe, rung: Rung):
     from dataclasses import replace
 
     return replace(recipe, optimizer=replace(recipe.optimizer, name=rung.optimizer),
-                   training=replace(recipe.training, torch_compile=rung.compiled))
+                   training=replace(recipe.training, torch_compile=rung.compiled),
+                   model=replace(recipe.model, spec_backend=rung.spec_backend))
 
 
 def build_rung(recipe, rung: Rung, on_gpu: bool, owner_plan=None):
@@ -73,10 +74,13 @@ def build_rung(recipe, rung: Rung, on_gpu: bool, owner_plan=None):
     config = transformer_config(recipe, on_gpu=on_gpu)
     if rung.recompute_attention:
         config.recompute_granularity, config.recompute_modules = "selective", ["core_attn"]
+    m = recipe.model
     if rung.spec == "upstream":
-        m = recipe.model
         module = build_upstream_model(config, full_layer_pattern(recipe), rung.attention, m.vocab_size,
                                       m.seq_length, m.untie_embeddings, m.rotary_base)
+    elif rung.spec == "upstream-te":
+        module = build_upstream_te_model(config, full_layer_pattern(recipe), m.vocab_size, m.seq_length,
+                                         m.untie_embeddings, m.rotary_base)
     else:
         module = build_model(recipe, config)
     if rung.compiled:

@@ -31,6 +31,11 @@ passes (the gain of `megatron_muon.megatron.master_adamw`, measured in the same 
 `megatron_muon.megatron.clip_deferral.install_for_muon`, measured in the same run).
 `6w` is rung 6 with megatron's master-to-model copy instead of the copies written by our Muon's update pass (the
 gain of `megatron_muon.megatron.muon_model_copy`, measured in the same run).
+`1te`, `1tm` and `3te` are upstream as its users run it with Transformer Engine installed: megatron-core's
+HybridModel built from its own `hybrid_stack_spec` (TE linears with the fused pre-norm, TE's cuDNN attention,
+megatron-core's GatedDeltaNet with FLA's kernels), AdamW eager, megatron-core's Muon eager, AdamW compiled (as far
+as it goes). `4te-e` / `4te` are rungs 4e / 4 on our spec built with TE's modules (`model.spec_backend: te`); every
+other "ours" rung pins the local spec, so TE being installed does not change what it measures.
 `4e` (our spec, eager, AdamW) is an extra rung: it isolates the compile gain on our spec and gives the
 eager-vs-compiled loss comparison.
 
@@ -48,7 +53,7 @@ from dataclasses import dataclass
 class Rung:
     key: str
     label: str
-    spec: str  # "upstream" or "ours"
+    spec: str  # "upstream" (megatron-core modules, no TE), "upstream-te" (megatron's TE hybrid spec) or "ours"
     attention: str  # "megatron-local" or "cudnn"
     compiled: bool
     optimizer: str  # registered megatron optimizer name
@@ -61,6 +66,7 @@ class Rung:
     first_grad_overwrite: bool = False  # each step's first gradient overwrites DDP's buffers (no zeroing pass)
     gdn_kernels: str = "ours"  # GDN's chunk kernels: ours where they qualify, ours with the Triton state kernels
     # ("triton"), or FLA's everywhere ("fla")
+    spec_backend: str = "local"  # our spec's modules: "local" or Transformer Engine's ("te")
 
 
 RUNGS = {
@@ -69,6 +75,14 @@ RUNGS = {
                "adam", False, recompute_attention=True),
     "2": Rung("2", "+ cuDNN attention", "upstream", "cudnn", False, "adam", False),
     "3": Rung("3", "+ torch.compile", "upstream", "cudnn", True, "adam", False),
+    "1te": Rung("1te", "upstream with TE (mcore HybridModel, TE hybrid spec, FLA GDN), AdamW", "upstream-te", "te",
+                 False, "adam", False),
+    "1tm": Rung("1tm", "upstream with TE, megatron-core Muon", "upstream-te", "te", False, "mcore_muon", False),
+    "3te": Rung("3te", "upstream with TE + torch.compile", "upstream-te", "te", True, "adam", False),
+    "4te-e": Rung("4te-e", "our spec on TE modules + fused AdamW, eager", "ours", "te", False, "adam", True,
+                  main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, spec_backend="te"),
+    "4te": Rung("4te", "our spec on TE modules + fused AdamW (compiled)", "ours", "te", True, "adam", True,
+                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, spec_backend="te"),
     "4e": Rung("4e", "our spec + fused AdamW, eager", "ours", "cudnn", False, "adam", True, main_grad_add=True,
                one_pass_adamw=True, first_grad_overwrite=True),
     "4": Rung("4", "+ our GDN ops/spec + fused AdamW (compiled)", "ours", "cudnn", True, "adam", True,
@@ -153,3 +167,22 @@ def build_upstream_model(config, pattern: str, attention: str, vocab_size: int, 
     return GPTModel(config=config, transformer_layer_spec=block, vocab_size=vocab_size,
                     max_sequence_length=seq_length, position_embedding_type="rope",
                     share_embeddings_and_output_weights=not untie_embeddings, rotary_base=rotary_base)
+
+
+def build_upstream_te_model(config, pattern: str, vocab_size: int, seq_length: int, untie_embeddings: bool,
+                            rotary_base: int):
+    """megatron-core's HybridModel from its own TE `hybrid_stack_spec` (what `pretrain_hybrid.py
+    --hybrid-layer-pattern` builds): each of our layers is megatron's mixer layer followed by its MLP layer."""
+    import dataclasses
+
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_muon.specs import megatron_hybrid_pattern
+
+    megatron_pattern = megatron_hybrid_pattern(config.num_layers, pattern)
+    config = dataclasses.replace(config, num_layers=len(megatron_pattern))
+    return HybridModel(config=config, hybrid_stack_spec=hybrid_stack_spec, vocab_size=vocab_size,
+                       max_sequence_length=seq_length, hybrid_layer_pattern=megatron_pattern,
+                       position_embedding_type="rope", rotary_base=rotary_base,
+                       share_embeddings_and_output_weights=not untie_embeddings)

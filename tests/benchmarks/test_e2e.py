@@ -21,6 +21,20 @@ def test_parse_rungs():
         parse_rungs("4,7")
 
 
+def test_only_the_te_rungs_build_our_spec_on_transformer_engine():
+    """A machine with TE installed must not turn the local rungs into TE ones (the spec's `auto` would)."""
+    from e2e import rung_recipe
+
+    from megatron_muon.training.recipes import load_recipe
+
+    base = load_recipe("tiny-cpu", [])
+    backends = {r.key: rung_recipe(base, r).model.spec_backend for r in parse_rungs("4e,4,6,4te-e,4te,1te,3te")}
+    assert backends == {"4e": "local", "4": "local", "6": "local", "4te-e": "te", "4te": "te", "1te": "local",
+                        "3te": "local"}
+    compiled = {r.key: rung_recipe(base, r).training.torch_compile for r in parse_rungs("4te-e,4te,1te,1tm,3te")}
+    assert compiled == {"4te-e": False, "4te": True, "1te": False, "1tm": False, "3te": True}
+
+
 def test_profiled_rungs_must_be_run():
     from e2e import main
 
