@@ -96,10 +96,12 @@ def _launch(rows: int, cols: int) -> tuple[tuple[int, int], dict]:
     return grid, dict(ROWS=tile_rows, BLOCK=block, num_warps=max(1, min(8, tile_rows * block // 256)))
 
 
-def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool, grad_factor=None) -> None:
+def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool, grad_factor=None,
+                        store_buffer: bool = True) -> None:
     """buffer ← buffer + (1-β)(grad - buffer) in the buffer's dtype; slot ← the Nesterov blend
     grad + β(buffer - grad) (or the buffer) in the slot's dtype. One pass per piece on the GPU. `grad_factor` (a
     one-element fp32 tensor: megatron's deferred clip) multiplies the gradient as it is read; `grad` is not changed.
+    `store_buffer=False` leaves the buffer as it was (a speculative slot: the step stores the EMA later).
 
     Equals `muon_math.momentum_buffers_update_` followed by `muon_math.nesterov_into_` on the same tensors (on
     grad·grad_factor, rounded to the gradient's dtype, when a factor is given).
@@ -110,6 +112,8 @@ def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool, 
     if triton is None or any(s is None for s in strides) or not supported(grad.device):
         if grad_factor is not None:
             grad = grad * grad_factor.reshape(())
+        if not store_buffer:
+            buffer = buffer.clone()
         muon_math.momentum_buffers_update_([grad], [buffer], momentum)
         muon_math.nesterov_into_(grad, buffer, slot, momentum, nesterov)
         return
@@ -122,7 +126,8 @@ def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool, 
         grad, buffer, slot, blocks * rows, rows, cols, *strides[0], *strides[1], *strides[2], ema_weight,
         blend_weight, grad, buffer, 0, grad if grad_factor is None else grad_factor,
         EMA_SMALL=_lerp_weight_small(ema_weight), BLEND_SMALL=_lerp_weight_small(blend_weight),
-        NESTEROV=bool(nesterov), EMULATE=INTERPRETING, PIECES=False, HAS_FACTOR=grad_factor is not None, **tile,
+        NESTEROV=bool(nesterov), EMULATE=INTERPRETING, PIECES=False, HAS_FACTOR=grad_factor is not None,
+        STORE_BUFFER=bool(store_buffer), **tile,
     )  # fmt: skip
 
 
@@ -186,7 +191,7 @@ if triton is not None:
         ema_weight, blend_weight, GradOffsets, BufferOffsets, slot_piece_stride, GradFactor,
         EMA_SMALL: tl.constexpr, BLEND_SMALL: tl.constexpr, NESTEROV: tl.constexpr,
         EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PIECES: tl.constexpr,
-        HAS_FACTOR: tl.constexpr,
+        HAS_FACTOR: tl.constexpr, STORE_BUFFER: tl.constexpr,
     ):  # fmt: skip
         if PIECES:  # grid axis 2 walks same-geometry pieces: element offsets from Grad / Buffer, slots stacked
             piece = tl.program_id(2)
@@ -209,7 +214,8 @@ if triton is not None:
         else:
             new = _lerp(buffer, grad, ema_weight, EMA_SMALL, EMULATE)
         stored = round_to(new, buffer_dtype, EMULATE)
-        tl.store(buffer_at, stored, mask=mask)
+        if STORE_BUFFER:
+            tl.store(buffer_at, stored, mask=mask)
         new = stored.to(tl.float32)
         if buffer_dtype != grad_dtype:  # ... and blends the buffer cast to the gradient's dtype
             new = through(new, grad_dtype, EMULATE)

@@ -72,7 +72,8 @@ def _qualify(varied: list[list[torch.Tensor]], stacked: list[torch.Tensor]):
     return None if any(t is None for t in tables) else (geometry, strides, tables, spacing)
 
 
-def momentum_into_slots_(grads, buffers, slots, *, momentum: float, nesterov: bool, grad_factor=None) -> bool:
+def momentum_into_slots_(grads, buffers, slots, *, momentum: float, nesterov: bool, grad_factor=None,
+                         store_buffer: bool = True) -> bool:
     """`fused_elementwise.momentum_into_slot_` on every (grad, buffer, slot) triple in one launch; `slots` must
     be evenly spaced slices of one stacked tensor. False (nothing done) when the pieces do not qualify."""
     qualified = _qualify([list(grads), list(buffers)], list(slots))
@@ -86,7 +87,7 @@ def momentum_into_slots_(grads, buffers, slots, *, momentum: float, nesterov: bo
         ema_weight, blend_weight, grad_offsets, buffer_offsets, slot_spacing,
         grads[0] if grad_factor is None else grad_factor, EMA_SMALL=single._lerp_weight_small(ema_weight),
         BLEND_SMALL=single._lerp_weight_small(blend_weight), NESTEROV=bool(nesterov), EMULATE=single.INTERPRETING,
-        PIECES=True, HAS_FACTOR=grad_factor is not None, **tile,
+        PIECES=True, HAS_FACTOR=grad_factor is not None, STORE_BUFFER=bool(store_buffer), **tile,
     )  # fmt: skip
     return True
 

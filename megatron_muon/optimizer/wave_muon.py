@@ -17,7 +17,8 @@ import torch
 from torch.profiler import record_function
 
 from megatron_muon.kernels.newton_schulz import work_dtype
-from megatron_muon.optimizer import muon_math
+from megatron_muon.optimizer import fused_elementwise as fused_passes
+from megatron_muon.optimizer import fused_pieces, muon_math
 from megatron_muon.optimizer.muon import NS_KEYS, Bucket, Muon, Plan, freeze_setting
 from megatron_muon.optimizer.routing import piece_views
 from megatron_muon.optimizer.speculation_graphs import SpeculationGraphs
@@ -117,24 +118,36 @@ class WaveMuon(Muon):
         return shape, tensors, settings, self.compute_dtype
 
     def _speculative_stack(self, bucket: Bucket, plan: Plan, grads: dict[int, torch.Tensor]) -> torch.Tensor:
-        """`_stack_updates` with the momentum EMA into temporaries: the same rounding as the step's eager EMA
-        (buffer.lerp_(grad, 1 - β)) followed by its Nesterov blend."""
+        """`_stack_updates` with the momentum EMA kept out of the buffers: the same rounding as the step's EMA
+        (buffer.lerp_(grad, 1 - β)) followed by its Nesterov blend. On the GPU one pass per run of pieces reads
+        gradient and buffer and writes only the slot; elsewhere the EMA goes to a temporary."""
         pieces = []
         for index, piece_index in bucket.items:
-            group = self.param_groups[plan.group_of[index]]
+            group_index = plan.group_of[index]
+            group = self.param_groups[group_index]
             grad = grads[index]
             if group["weight_decay_mode"] == "l2":
                 grad = muon_math.l2_regularized([grad], [plan.params[index]], group["weight_decay"])[0]
             layout = plan.layouts[index]
             buffer = self._momentum_buffer(plan.params[index])
-            pieces.append((group, piece_views(grad, layout)[piece_index], piece_views(buffer, layout)[piece_index]))
+            pieces.append((group_index, piece_views(grad, layout)[piece_index],
+                           piece_views(buffer, layout)[piece_index]))
         dtype = self._stack_dtype(pieces[0][1].dtype)
         count = sum(grad.shape[0] for _, grad, _ in pieces)
         stacked = torch.empty((count, *bucket.shape), dtype=dtype, device=pieces[0][1].device)
-        offset = 0
-        for group, grad, buffer in pieces:
-            slot = stacked[offset : offset + grad.shape[0]].view(grad.shape)
+        offset, slotted = 0, []
+        for group_index, grad, buffer in pieces:
+            slotted.append((group_index, grad, buffer, stacked[offset : offset + grad.shape[0]].view(grad.shape)))
             offset += grad.shape[0]
+        if fused_passes.use_fused(self.fused_elementwise, stacked.device):
+            for group_index, run in fused_pieces.runs_by_group(slotted):
+                options = {key: self.param_groups[group_index][key] for key in ("momentum", "nesterov")}
+                if not fused_pieces.momentum_into_slots_(*zip(*run), **options, store_buffer=False):
+                    for grad, buffer, slot in run:
+                        fused_passes.momentum_into_slot_(grad, buffer, slot, **options, store_buffer=False)
+            return stacked
+        for group_index, grad, buffer, slot in slotted:
+            group = self.param_groups[group_index]
             ema = torch.lerp(buffer, grad.to(buffer.dtype), 1.0 - group["momentum"])
             muon_math.nesterov_into_(grad, ema, slot, group["momentum"], group["nesterov"])
         return stacked

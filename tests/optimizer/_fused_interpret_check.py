@@ -108,6 +108,54 @@ def check_clip_factor(generator) -> None:
         check(all(torch.equal(a, b) for a, b in zip(grads, before)), f"{case}: the gradients were changed")
 
 
+def check_speculative_slots(generator) -> None:
+    """store_buffer=False writes the slots the storing pass writes and leaves the buffers as they were, per piece
+    and in one launch (WaveMuon's speculation: the step stores the EMA itself later)."""
+    for grad_dtype, buffer_dtype, slot_dtype in [(torch.float32, torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32, torch.float16),
+                                                 (torch.float32, torch.bfloat16, torch.bfloat16)]:
+        grads = [torch.randn(3, 12, 37, generator=generator).to(grad_dtype)[:, 2:8] for _ in range(3)]
+        buffers = [torch.randn(3, 12, 37, generator=generator).to(buffer_dtype)[:, 2:8] for _ in range(3)]
+        before = [b.clone() for b in buffers]
+        expected = torch.empty(3, 3, 6, 37, dtype=slot_dtype)
+        for grad, buffer, slot in zip(grads, [b.clone() for b in buffers], expected):
+            fused_elementwise.momentum_into_slot_(grad, buffer, slot, momentum=0.95, nesterov=True)
+        piece_slots, stacked = torch.empty_like(expected), torch.empty_like(expected)
+        for grad, buffer, slot in zip(grads, buffers, piece_slots):
+            fused_elementwise.momentum_into_slot_(grad, buffer, slot, momentum=0.95, nesterov=True,
+                                                  store_buffer=False)
+        done = fused_pieces.momentum_into_slots_(grads, buffers, list(stacked), momentum=0.95, nesterov=True,
+                                                 store_buffer=False)
+        case = f"speculative: grad {grad_dtype} buffer {buffer_dtype} slot {slot_dtype}"
+        check(done, f"{case}: not taken as one launch")
+        check(torch.equal(piece_slots, expected) and torch.equal(stacked, expected), f"{case}: slots differ")
+        check(all(torch.equal(a, b) for a, b in zip(buffers, before)), f"{case}: a buffer was written")
+
+
+def check_wave_speculation(generator, steps: int = 3) -> None:
+    """WaveMuon's speculated step (fused, one pass that keeps the EMA out of the buffers) equals its plain fused
+    step bit for bit, and the torch-path speculation too."""
+    seed = int(torch.randint(1 << 30, (1,), generator=generator))
+    results = {}
+    for speculate, fused in ((False, True), (True, True), (True, False)):
+        params = muon_params(torch.Generator().manual_seed(seed), torch.float32)
+        engine = WaveMuon(params, lr=0.02, weight_decay=0.1, fused_elementwise=fused)
+        grads = torch.Generator().manual_seed(seed + 1)
+        for _ in range(steps):
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=grads) * 1e-2
+            if speculate:
+                engine.speculate(None, lambda p: p.grad)
+                engine.speculation_valid = True
+            engine.step()
+        results[speculate, fused] = (params, engine)
+    plain = results[False, True][0]
+    for key in ((True, True), (True, False)):
+        params, engine = results[key]
+        check(engine.speculation_used > 0, f"wave speculation {key}: nothing speculated was used")
+        check(all(torch.equal(a, b) for a, b in zip(params, plain)), f"wave speculation {key}: parameters differ")
+
+
 def check_model_copies(generator) -> None:
     """With a 16-bit model copy, decay+update also writes the new target rounded as torch's copy_ rounds, per piece
     and in one launch; the update itself is the one without a copy, and the rest of the copy's tensor is untouched."""
@@ -279,6 +327,8 @@ def main() -> None:
     check_uncovered_fall_back(generator)
     check_muon(generator)
     check_muon_takes_one_launch_per_bucket()
+    check_speculative_slots(torch.Generator().manual_seed(3))
+    check_wave_speculation(torch.Generator().manual_seed(4))
     if FAILURES:
         print("\n".join(FAILURES))
         sys.exit(1)
