@@ -163,6 +163,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     start = time.perf_counter()
     model = optimizer = None
     set_gdn_kernels(rung.gdn_kernels)
+    attention_environment = {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}
     try:
         model, optimizer, _ = build_rung(recipe, rung, on_gpu)
         train = recipe.training
@@ -193,6 +194,8 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     except Exception as error:  # one failing rung (OOM, a missing kernel) must not hide the others
         row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
         traceback.print_exc()
+    finally:
+        _restore_attention_environment(attention_environment)
     row["wall_s"] = time.perf_counter() - start
     row["measured"] = f"{time.strftime('%Y-%m-%d %H:%M')} {args.revision}"
     del model, optimizer
@@ -248,6 +251,14 @@ def main(argv=None) -> None:
         rows[rung.key] = run_rung(recipe, rung, ctx, args, profile)
         write_report(args.out, json_path, rows, meta)  # after every rung: a run cut short keeps its numbers
     shutdown_distributed()
+
+
+def _restore_attention_environment(saved: dict[str, str]) -> None:
+    """megatron's model build exports its attention backend to TE's NVTE_* variables; the next rung builds its own
+    (one rung's `auto` left NVTE_FLASH_ATTN=1, which a later rung pinned to cuDNN refused)."""
+    for key in [k for k in os.environ if k.startswith("NVTE_") and k not in saved]:
+        del os.environ[key]
+    os.environ.update(saved)
 
 
 def _git_revision() -> str:

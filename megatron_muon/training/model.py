@@ -20,9 +20,13 @@ def transformer_engine_available() -> bool:
 
 
 def spec_backend(recipe: Recipe) -> str:
-    """'te' or 'local': 'auto' picks Transformer Engine when it is importable."""
+    """'te' or 'local': 'auto' picks Transformer Engine when it is importable, except for a compiled hybrid: TE's
+    linears are dynamo-disabled (each call breaks the layer's graph), while our local hybrid spec compiles whole,
+    with the same cuDNN attention kernels through SDPA. `te` still builds TE's modules, compiled or not."""
     backend = recipe.model.spec_backend
     if backend == "auto":
+        if recipe.model.kind == "hybrid" and recipe.training.torch_compile:
+            return "local"
         return "te" if transformer_engine_available() else "local"
     if backend == "te" and not transformer_engine_available():
         raise RecipeError(
