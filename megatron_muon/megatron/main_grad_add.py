@@ -66,16 +66,10 @@ def install_first_grad_overwrite(ddp_model) -> bool:
     """
     if getattr(ddp_model, _OVERWRITES, False):
         return True
-    params = list(getattr(ddp_model, "params_with_grad", []))
-    buffers = ddp_model.buffers + ddp_model.expert_parallel_buffers
-    config, ddp_config = getattr(ddp_model, "config", None), ddp_model.ddp_config
-    if (not params or not all(getattr(p, _HOOKED, False) for p in params)
-            or any(getattr(p, "zero_out_wgrad", False) for p in params)
-            or getattr(config, "gradient_accumulation_fusion", False)
-            or getattr(config, "cuda_graph_impl", "none") != "none"
-            or getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False)
-            or any(buffer.extra_main_grads for buffer in buffers)):
+    if not first_grad_overwrite_possible(ddp_model):
         return False
+    params = list(ddp_model.params_with_grad)
+    buffers = ddp_model.buffers + ddp_model.expert_parallel_buffers
     groups = ddp_model.bucket_groups + ddp_model.expert_parallel_bucket_groups
     wrappers = [(group, name, _zeroing_gradless(group, getattr(group, name)))
                 for group in groups for name in ("start_grad_sync", "finish_grad_sync")]
@@ -95,12 +89,39 @@ def install_first_grad_overwrite(ddp_model) -> bool:
         finally:
             for buffer in buffers:
                 del buffer.reset
-        for param in params:
-            setattr(param, _STALE, True)
+        mark_first_grads_pending(params)
 
     replace_method(ddp_model, "zero_grad_buffer", zero_grad_buffer)
     setattr(ddp_model, _OVERWRITES, True)
     return True
+
+
+def first_grad_overwrite_possible(ddp_model) -> bool:
+    """Whether only autograd, through `install_main_grad_add`'s hook, writes this DDP's `main_grad` buffers (not
+    Transformer Engine's wgrad fusion, CUDA graphs, separate higher-precision main grads or MXFP8 gather buffers)."""
+    params = list(getattr(ddp_model, "params_with_grad", []))
+    buffers = ddp_model.buffers + ddp_model.expert_parallel_buffers
+    config, ddp_config = getattr(ddp_model, "config", None), ddp_model.ddp_config
+    return bool(params) and all(getattr(p, _HOOKED, False) for p in params) \
+        and not any(getattr(p, "zero_out_wgrad", False) for p in params) \
+        and not getattr(config, "gradient_accumulation_fusion", False) \
+        and getattr(config, "cuda_graph_impl", "none") == "none" \
+        and not getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False) \
+        and not any(buffer.extra_main_grads for buffer in buffers)
+
+
+def mark_first_grads_pending(params) -> None:
+    """The next gradient of each of `params` overwrites its `main_grad` (which still holds the last step's)."""
+    for param in params:
+        setattr(param, _STALE, True)
+
+
+def zero_gradless(params) -> None:
+    """Zero the `main_grad` of every parameter that got no gradient since `mark_first_grads_pending`."""
+    for param in params:
+        if getattr(param, _STALE, False):
+            setattr(param, _STALE, False)
+            param.main_grad.zero_()
 
 
 def _keep_grad_data() -> None:
@@ -111,10 +132,7 @@ def _zeroing_gradless(group, inner):
     """`inner` (a bucket group's start/finish_grad_sync) after zeroing the group's gradless parameters."""
 
     def run(*args, **kwargs):
-        for param in group.params:
-            if getattr(param, _STALE, False):
-                setattr(param, _STALE, False)
-                param.main_grad.zero_()
+        zero_gradless(group.params)
         return inner(*args, **kwargs)
 
     return run

@@ -165,8 +165,10 @@ def _owner_layout(module, ddp_config, recipe: Recipe, owner_plan=None):
 def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True, owner_plan=None):
     """Float16Module for bf16/fp16, then megatron DDP with fp32 grad reduction: the pretrain_gpt.py wrapping.
     fast_main_grad_add: accumulate gradients into DDP's fp32 buffers in one vectorized pass
-    (`megatron.main_grad_add`) instead of megatron's mixed-dtype `add_`. owner_plan: how the owner engine's layout
-    plans owners (`megatron.owner_layout.OwnerPlanSettings`; default: MILP on the recipe's Newton–Schulz FLOPs)."""
+    (`megatron.main_grad_add`) instead of megatron's mixed-dtype `add_`; with the owner engine the first gradient of
+    each step also overwrites those buffers instead of a zeroing pass (`megatron.overwriting_ddp`). owner_plan: how
+    the owner engine's layout plans owners (`megatron.owner_layout.OwnerPlanSettings`; default: MILP on the recipe's
+    Newton–Schulz FLOPs)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -183,6 +185,8 @@ def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True, 
     if recipe.training.precision in ("bf16", "fp16"):
         module = Float16Module(config, module)
     layout = _owner_layout(module, ddp_config, recipe, owner_plan) if owner else None  # after the cast: buffers key on dtype
+    if owner and fast_main_grad_add:  # the owner path takes no patch of DDP: the first-gradient overwrite as a class
+        from megatron_muon.megatron.overwriting_ddp import OverwritingDistributedDataParallel as DistributedDataParallel
     model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
     model.broadcast_params()
     if fast_main_grad_add:

@@ -9,7 +9,7 @@ from megatron_muon.megatron import main_grad_add
 
 
 def _main_grads(rank, world_size, hooked: bool, overlap: bool, overwrite: bool = False, gradless: str | None = None,
-                replace_wrapper: bool = False, distributed: bool = False):
+                replace_wrapper: bool = False, distributed: bool = False, overwriting_class: bool = False):
     """main_grads after each of 3 steps of 4 micro-batches; `gradless` gets no gradient in the second step.
     `replace_wrapper`: after the first step, something replaces a bucket group's finish_grad_sync wrapper."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -24,12 +24,19 @@ def _main_grads(rank, world_size, hooked: bool, overlap: bool, overwrite: bool =
     module = Float16Module(config, build_tiny_gpt(config))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
                                                use_distributed_optimizer=distributed)
-    model = DistributedDataParallel(config, ddp_config, module)
+    if overwriting_class:  # the class the owner path builds: hooks and overwrite without patching DDP
+        from megatron_muon.megatron.overwriting_ddp import OverwritingDistributedDataParallel
+
+        model = OverwritingDistributedDataParallel(config, ddp_config, module)
+        assert model.overwrites_first_gradient and not vars(model).get("zero_grad_buffer")
+    else:
+        model = DistributedDataParallel(config, ddp_config, module)
     config.finalize_model_grads_func = finalize_model_grads
     calls = []
     if hooked:
-        count = main_grad_add.install_main_grad_add(model)
-        assert count == len(list(model.parameters())) > 0
+        count = main_grad_add.install_main_grad_add(model)  # the overwriting class hooked them when it was built
+        assert len(list(model.parameters())) > 0
+        assert count == (0 if overwriting_class else len(list(model.parameters())))
         assert main_grad_add.install_main_grad_add(model) == 0  # idempotent: a second hook would add twice
         original = grad_accumulate.accumulate
         grad_accumulate.accumulate = lambda main_grad, grad, overwrite=False: (
@@ -103,6 +110,26 @@ def test_first_gradient_overwrite_equals_zeroed_buffers_across_two_ranks(rank_po
             for got, expected in zip(rank_fast["grads"], rank_reference["grads"], strict=True):
                 for name, value in expected.items():
                     torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=f"{name} {distributed}")
+
+
+def test_the_overwriting_ddp_class_equals_zeroed_buffers(rank_pool_1, rank_pool_2):
+    """OverwritingDistributedDataParallel (no patch of megatron's objects): one rank with and without overlapped
+    reduction, two ranks all-reduced and reduce-scattered; a parameter without a gradient in the second step ends it
+    at zero; every buffer equals megatron's, bit for bit, after each step."""
+    runs = [(rank_pool_1, overlap, distributed) for overlap in (False, True) for distributed in (False,)]
+    runs += [(rank_pool_2, False, distributed) for distributed in (False, True)]
+    for pool, overlap, distributed in runs:
+        gradless = None if overlap else GRADLESS
+        reference = pool.run(_main_grads, False, overlap, False, gradless, False, distributed)
+        fast = pool.run(_main_grads, True, overlap, False, gradless, False, distributed, True)
+        for rank_fast, rank_reference in zip(fast, reference, strict=True):
+            assert rank_fast["zeroed"] == [True, False, False]
+            for step, (got, expected) in enumerate(zip(rank_fast["grads"], rank_reference["grads"], strict=True)):
+                for name, value in expected.items():
+                    if gradless is not None and name.endswith(gradless) and step == 1:
+                        assert value.abs().sum() == 0
+                    torch.testing.assert_close(got[name], value, rtol=0, atol=0,
+                                               msg=f"{name} step {step} overlap {overlap} distributed {distributed}")
 
 
 def test_first_gradient_overwrite_falls_back_when_its_wrapper_is_replaced(rank_pool_1):
