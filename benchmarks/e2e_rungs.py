@@ -176,6 +176,10 @@ def build_upstream_te_model(config, pattern: str, vocab_size: int, seq_length: i
     import dataclasses
 
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    from megatron_muon.training.te_cudnn import check_same_cudnn
+
+    check_same_cudnn()
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from megatron_muon.specs import megatron_hybrid_pattern

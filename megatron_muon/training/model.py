@@ -89,6 +89,10 @@ def build_model(recipe: Recipe, config):
 
     model = recipe.model
     backend = spec_backend(recipe)
+    if backend == "te" and torch.cuda.is_available():
+        from megatron_muon.training.te_cudnn import check_same_cudnn
+
+        check_same_cudnn()
     if model.gdn_kernels is not None:
         set_gdn_kernels(model.gdn_kernels)
     if model.kind == "gpt":

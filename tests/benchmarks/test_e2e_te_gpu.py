@@ -36,6 +36,8 @@ def test_our_te_spec_trains_compiled_like_eager(tmp_path):
     assert all("error" not in row for row in rows.values()), rows
     eager, compiled = rows["4te-e"]["losses"], rows["4te"]["losses"]
     assert eager[-1] < eager[0]
-    # bf16 with different fusions: measured agreement of eager and compiled local-spec rungs is ~1e-3 relative
-    assert compiled == pytest.approx(eager, rel=1e-2), (eager, compiled)
+    # bf16 with different fusions: eager and compiled agree to ~1e-4 relative while the loss is large; once the
+    # mock batches are memorized (loss ~0.08 from 8.7) the last steps differ by ~2e-3 absolute, so the absolute
+    # bound is 1e-3 of the first loss
+    assert compiled == pytest.approx(eager, rel=1e-2, abs=1e-3 * eager[0]), (eager, compiled)
     assert rows["4te"]["recompiles"] == 0, rows["4te"]["recompile_reasons"]
