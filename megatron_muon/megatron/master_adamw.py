@@ -1,18 +1,19 @@
 """megatron's mixed-precision AdamW step (fp32 master weights) as one Triton pass per param group: the gradient clip
 factor, the AdamW update and the 16-bit model copy together.
 
-Without Transformer Engine (whose FusedAdam writes the model copy itself) megatron-core runs three passes over the
-fp32 master weights per step: the clip multiply of every gradient, torch's fused AdamW and the copy of every master
+megatron-core runs three passes over the fp32 master weights per step: the clip multiply of every gradient, the
+AdamW step (torch's fused AdamW, or Transformer Engine's FusedAdam when TE is installed) and the copy of every master
 weight into its bf16 model parameter. Here `clip_grad_by_total_norm_fp32` leaves the clip factor on the device for
 the optimizer instead of multiplying, and one pass reads each gradient, master weight and moment once and writes the
 master weight, both moments and the model copy (`optimizer/one_pass_adamw.py`; measured in
 docs/design/optimizer_passes.md).
 
-The state keeps torch's layout (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are interchangeable with torch's
-AdamW. Gradients are not written back: after the step they hold the unclipped values (megatron zeroes them before
+The state keeps the inner optimizer's layout (torch's or TE's), so checkpoints are interchangeable with megatron's
+own step. Gradients are not written back: after the step they hold the unclipped values (megatron zeroes them before
 the next backward). The pass covers megatron's Float16OptimizerWithFloat16Params over torch Adam/AdamW (no amsgrad,
-maximize, capturable, differentiable or tensor lr) with contiguous fp32 tensors on a device Triton serves; anything
-else keeps megatron's path, clip multiply included.
+maximize, capturable, differentiable or tensor lr) or over TE's FusedAdam as megatron builds it without the
+precision-aware optimizer (fp32 moments, no master weights of its own, not capturable), with contiguous fp32 tensors
+on a device Triton serves; anything else keeps megatron's path, clip multiply included.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def install_master_adamw(optimizer) -> int:
 
 def _attach(wrapper) -> OnePassAdamW:
     """Run the pass in place of the wrapper's inner step and master-to-model copy; claim its params for the clip."""
-    one_pass = OnePassAdamW(wrapper.optimizer, model_copies_of(wrapper))
+    one_pass = OnePassAdamW(wrapper.optimizer, model_copies_of(wrapper), group_step=_is_te_adam(wrapper.optimizer))
     clip_deferral.claim(wrapper, one_pass)
     original_step = wrapper.step_with_ready_grads
 
@@ -73,9 +74,33 @@ def model_copies_of(wrapper) -> dict[int, torch.Tensor]:
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
+def te_fused_adam_class():
+    """Transformer Engine's FusedAdam (what megatron-core builds for 'adam' when TE is installed), or None."""
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam
+    except Exception:  # noqa: BLE001 - absent, or present without its CUDA libraries: megatron builds torch's Adam
+        return None
+    return FusedAdam
+
+
+def _is_te_adam(inner) -> bool:
+    te_class = te_fused_adam_class()
+    return te_class is not None and type(inner) is te_class
+
+
+def te_adam_qualifies(inner) -> bool:
+    """TE's FusedAdam computes what the pass computes when it keeps fp32 moments and no masters of its own (megatron's
+    wrapper holds them) and takes a host learning rate: megatron's build without the precision-aware optimizer."""
+    return (not inner.master_weights and not inner.capturable and not inner.use_decoupled_grad
+            and not getattr(inner, "store_param_remainders", False)
+            and inner.exp_avg_dtype == torch.float32 and inner.exp_avg_sq_dtype == torch.float32)
+
+
 def _qualifies(wrapper) -> bool:
     inner = wrapper.optimizer
-    if type(inner) not in (torch.optim.AdamW, torch.optim.Adam) or wrapper.is_stub_optimizer:
+    if wrapper.is_stub_optimizer:
+        return False
+    if type(inner) not in (torch.optim.AdamW, torch.optim.Adam) and not (_is_te_adam(inner) and te_adam_qualifies(inner)):
         return False
     if getattr(wrapper.config, "reuse_grad_buf_for_mxfp8_param_ag", False):
         return False

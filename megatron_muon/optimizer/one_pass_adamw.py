@@ -2,8 +2,9 @@
 clip factor, the AdamW update and the 16-bit model copy together (`megatron/master_adamw.py` installs it in
 megatron's mixed-precision wrapper, where it replaces three passes over the masters).
 
-The state keeps torch's layout (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are interchangeable with torch's
-AdamW. Gradients are not written back: after the step they hold the unclipped values. Whole blocks load and store
+The state keeps the inner optimizer's layout, so checkpoints stay interchangeable with it: torch's (a `step` per
+parameter, `exp_avg`, `exp_avg_sq`) or, for Transformer Engine's FusedAdam (`group_step=True`), one integer `step`
+per param group that advances every step, as TE advances it. Gradients are not written back: after the step they hold the unclipped values. Whole blocks load and store
 unmasked with alignment hints (128-bit accesses).
 """
 
@@ -38,8 +39,8 @@ class OnePassAdamW:
     tensor, or None.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, model_of: dict[int, torch.Tensor]):
-        self.inner, self.model_of = inner, model_of
+    def __init__(self, inner: torch.optim.Optimizer, model_of: dict[int, torch.Tensor], group_step: bool = False):
+        self.inner, self.model_of, self.group_step = inner, model_of, group_step
         self.claimed = frozenset(id(p) for group in inner.param_groups for p in group["params"])
         self.pending: torch.Tensor | None = None
         self._host_counts: dict[int, tuple[torch.Tensor, int]] = {}  # id(step tensor) -> (it, its host count)
@@ -61,6 +62,8 @@ class OnePassAdamW:
                 return False
             work.append((group, params))
         for group, params in work:
+            if self.group_step:  # TE advances every group's count, with gradients or not
+                group["step"] = group.get("step", 0) + 1
             if params:
                 self._run_group(group, params)
         self.pending = None
@@ -68,12 +71,17 @@ class OnePassAdamW:
 
     def _run_group(self, group: dict, params: list[torch.Tensor]) -> None:
         states = [self._state(p) for p in params]
-        steps = [state["step"] for state in states]
-        counts = self._step_counts(steps)
-        torch._foreach_add_(steps, 1.0)
+        if self.group_step:
+            counts = [group["step"]] * len(params)
+            decoupled = bool(self.inner.adam_w_mode)
+        else:
+            steps = [state["step"] for state in states]
+            counts = self._step_counts(steps)
+            torch._foreach_add_(steps, 1.0)
+            decoupled = isinstance(self.inner, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
         beta1, beta2 = group["betas"]
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-        decoupled = isinstance(self.inner, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+        corrected = group.get("bias_correction", True)
         # one launch per step count (bias correction), model-copy dtype and address alignment: each launch's
         # accesses are as wide as its tensors' alignment allows (DDP's gradient views start wherever the previous
         # parameter ended)
@@ -86,14 +94,17 @@ class OnePassAdamW:
         for (count, model_dtype, alignments), rows in launches.items():
             scalars = dict(
                 decay=lr * weight_decay if decoupled else weight_decay, decoupled=decoupled, beta1=beta1,
-                beta2=beta2, step_size=lr / (1 - beta1**count), bc2_sqrt=math.sqrt(1 - beta2**count),
+                beta2=beta2, step_size=lr / (1 - beta1**count) if corrected else lr,
+                bc2_sqrt=math.sqrt(1 - beta2**count) if corrected else 1.0,
                 eps=group["eps"],
             )
             _launch(rows, self.pending, model_dtype, alignments, scalars)
 
     def _state(self, param: torch.Tensor) -> dict:
         state = self.inner.state[param]
-        if not state:  # torch's lazy init for fused groups: a device step, zero moments
+        if not state and self.group_step:  # TE's own init: zero fp32 moments, the count lives in the group
+            self.inner.initialize_state(param, False)
+        elif not state:  # torch's lazy init for fused groups: a device step, zero moments
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)

@@ -73,6 +73,79 @@ def check_parameters_that_miss_steps():
         torch.testing.assert_close(main, ref, **TOLERANCE)
 
 
+class _TELayoutAdam(torch.optim.Optimizer):
+    """Transformer Engine FusedAdam's state layout and arithmetic in plain torch (TE is not installable on a CPU
+    machine): one integer `step` per group that advances every step, apex's multi_tensor_adam update
+    (p -= lr·(m̂/(√v̂ + eps) + wd·p) in AdamW mode, L2 into the gradient otherwise), optional bias correction."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay, bias_correction=True, adam_w_mode=True):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      bias_correction=bias_correction))
+        self.adam_w_mode = 1 if adam_w_mode else 0
+
+    def initialize_state(self, param, store_param_remainders):
+        self.state[param]["exp_avg"] = torch.zeros_like(param)
+        self.state[param]["exp_avg_sq"] = torch.zeros_like(param)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            (beta1, beta2), count = group["betas"], group["step"]
+            bc1, bc2 = (1 - beta1**count, 1 - beta2**count) if group["bias_correction"] else (1.0, 1.0)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self.initialize_state(p, False)
+                m, v, g = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"], p.grad
+                if not self.adam_w_mode:
+                    g = g + group["weight_decay"] * p
+                m.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                update = (m / bc1) / ((v / bc2).sqrt() + group["eps"])
+                if self.adam_w_mode:
+                    update = update + group["weight_decay"] * p
+                p.sub_(group["lr"] * update)
+
+
+def check_te_layout():
+    """With `group_step` the pass keeps TE FusedAdam's layout and matches its arithmetic: AdamW and L2 modes, with
+    and without bias correction and a clip factor, a parameter without a gradient in some steps (its group's count
+    still advances, as TE's does) and an empty group."""
+    g = torch.Generator().manual_seed(2)
+    for adam_w_mode, bias_correction, factor in [(True, True, None), (True, True, 0.3), (False, True, 0.3),
+                                                 (True, False, None)]:
+        mains = [torch.randn(size, generator=g) for size in [(4, 8), (one_pass_adamw.BLOCK + 3,), (2, 5)]]
+        reference = [m.clone() for m in mains]
+        options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, bias_correction=bias_correction,
+                       adam_w_mode=adam_w_mode)
+
+        def groups(params):
+            return [{"params": params[:2]}, {"params": params[2:]}, {"params": []}]
+
+        models = [m.bfloat16() for m in mains]
+        ours = one_pass_adamw.OnePassAdamW(_TELayoutAdam(groups(mains), **options),
+                                           {id(m): c for m, c in zip(mains, models)}, group_step=True)
+        te = _TELayoutAdam(groups(reference), **options)
+        for with_grad in [(True, True, True), (True, True, False), (False, True, True)]:
+            for main, ref, has_grad in zip(mains, reference, with_grad):
+                grad = torch.randn(main.shape, generator=g)
+                main.grad = grad.clone() if has_grad else None
+                ref.grad = (grad * factor if factor is not None else grad) if has_grad else None
+            ours.pending = None if factor is None else torch.tensor([factor])
+            assert ours.run()
+            te.step()
+        assert [group["step"] for group in ours.inner.param_groups] == [3, 3, 3]
+        assert [group["step"] for group in te.param_groups] == [3, 3, 3]
+        for main, ref, model in zip(mains, reference, models):
+            torch.testing.assert_close(main, ref, rtol=1e-5, atol=1e-7)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours.inner.state[main][key], te.state[ref][key], **TOLERANCE)
+            assert "step" not in ours.inner.state[main]
+            assert torch.equal(model, main.bfloat16())
+
+
 def _in_one_buffer(tensors, offset: int):
     """Copies of `tensors` as views of one buffer, the first starting `offset` elements in (as megatron's DDP)."""
     flat = torch.zeros(offset + sum(t.numel() for t in tensors))
@@ -221,6 +294,7 @@ def check_muon_model_copy():
 def main():
     check_the_pass_alone()
     check_parameters_that_miss_steps()
+    check_te_layout()
     check_through_megatron()
     check_muon_clip_fold()
     check_muon_model_copy()

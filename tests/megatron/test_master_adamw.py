@@ -198,3 +198,61 @@ def test_on_the_gpu_muons_model_copies_train_bit_for_bit_as_megatrons_copy(singl
     assert ours[1] == reference[1]
     assert all(torch.equal(a, b) for a, b in zip(ours[2], reference[2]))
     assert all(torch.equal(a, b) for a, b in zip(ours[3], reference[3]))
+
+
+def test_te_fused_adam_qualifies_only_as_megatron_builds_it_without_precision_aware_state(monkeypatch):
+    """megatron's plain build (fp32 moments, masters in its wrapper, host lr) takes the pass; TE's precision-aware
+    options, capturable mode and decoupled gradients keep TE's own step."""
+    from types import SimpleNamespace
+
+    from megatron_muon.megatron import master_adamw
+
+    plain = dict(master_weights=False, capturable=False, use_decoupled_grad=False, store_param_remainders=False,
+                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32)
+    assert master_adamw.te_adam_qualifies(SimpleNamespace(**plain))
+    for change in [dict(master_weights=True), dict(capturable=True), dict(use_decoupled_grad=True),
+                   dict(store_param_remainders=True), dict(exp_avg_dtype=torch.bfloat16),
+                   dict(exp_avg_sq_dtype=torch.float16)]:
+        assert not master_adamw.te_adam_qualifies(SimpleNamespace(**{**plain, **change})), change
+
+    class FusedAdam:  # stands in for TE's class: the layout is chosen by exact type
+        pass
+
+    monkeypatch.setattr(master_adamw, "te_fused_adam_class", lambda: FusedAdam)
+    assert master_adamw._is_te_adam(FusedAdam()) and not master_adamw._is_te_adam(torch.optim.AdamW([torch.zeros(1)]))
+    monkeypatch.setattr(master_adamw, "te_fused_adam_class", lambda: None)
+    assert not master_adamw._is_te_adam(FusedAdam())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_the_pass_over_te_fused_adam_equals_its_step():
+    """Three steps of the pass in TE FusedAdam's layout against TE's own step (AdamW and L2 modes, a clip factor):
+    masters and moments within fp32 rounding, the group counts equal, and the bf16 copies are the masters rounded."""
+    from megatron_muon.megatron.master_adamw import te_fused_adam_class
+    from megatron_muon.optimizer.one_pass_adamw import OnePassAdamW
+
+    FusedAdam = te_fused_adam_class()
+    if FusedAdam is None:
+        pytest.skip("needs Transformer Engine (pip install megatron-muon[te])")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for adam_w_mode, factor in [(True, None), (True, 0.3), (False, 0.3)]:
+        mains = [torch.randn(size, device="cuda", generator=g) for size in [(512, 384), (4099,), (3, 5)]]
+        reference = [m.clone() for m in mains]
+        options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, adam_w_mode=adam_w_mode)
+        models = [m.bfloat16() for m in mains]
+        ours = OnePassAdamW(FusedAdam(mains, **options), {id(m): c for m, c in zip(mains, models)}, group_step=True)
+        te = FusedAdam(reference, **options)
+        for _ in range(3):
+            for main, ref in zip(mains, reference):
+                grad = torch.randn(main.shape, device="cuda", generator=g)
+                main.grad, ref.grad = grad.clone(), grad * factor if factor is not None else grad
+            ours.pending = None if factor is None else torch.tensor([factor], device="cuda")
+            assert ours.run()
+            te.step()
+        assert ours.inner.param_groups[0]["step"] == te.param_groups[0]["step"] == 3
+        for main, ref, model in zip(mains, reference, models):
+            torch.testing.assert_close(main, ref, rtol=1e-5, atol=1e-6)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours.inner.state[main][key], te.state[ref][key], rtol=1e-5, atol=1e-9)
+            assert torch.equal(model, main.bfloat16())
