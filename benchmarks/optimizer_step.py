@@ -149,6 +149,34 @@ class _PerPieceMuon(Muon):
             fused_pieces.momentum_into_slots_, fused_pieces.decay_and_update_pieces_ = saved
 
 
+GRAPHED = "ours (auto, MegaBatch, fused splits, CUDA graph)"
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                 "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+@torch.no_grad()
+def host_cost(optimizer, device, warmup: int, repeats: int) -> tuple[float, float]:
+    """(CPU ms the host spends in `step()`, launches per step: kernels, graphs, copies), after warm-up: what a
+    CUDA graph of the step saves the host, whether or not the GPU waits for it."""
+    for _ in range(warmup):
+        optimizer.step()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        optimizer.step()
+        times.append((time.perf_counter() - begin) * 1e3)
+    if device.type != "cuda":
+        return statistics.median(times), float("nan")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        optimizer.step()
+        torch.cuda.synchronize()
+    launches = sum(1 for event in profile.events() if event.name in LAUNCH_EVENTS)
+    return statistics.median(times), float(launches)
+
+
 def make_variants(has_cuda: bool):
     """name -> (which params, optimizer factory)."""
     fused = dict(fused=True) if has_cuda else dict(foreach=True)
@@ -169,6 +197,7 @@ def make_variants(has_cuda: bool):
             "matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", fused_elementwise=False)),
         "ours (auto, MegaBatch, fused splits, one launch per piece)": (
             "matrices", lambda ps: _PerPieceMuon(ps, lr=0.02, scale_mode="spectral")),
+        GRAPHED: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", graph_newton_schulz=True)),
     }
     try:
         from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS, TensorParallelMuon
@@ -203,7 +232,7 @@ def main() -> None:
     if args.only_ours:
         keep = ("fused AdamW, all params", "fused AdamW, non-matrix rest", "ours (auto, MegaBatch, fused splits)",
                 "ours (auto, MegaBatch, fused splits, fused elementwise off)",
-                "ours (auto, MegaBatch, fused splits, one launch per piece)")
+                "ours (auto, MegaBatch, fused splits, one launch per piece)", GRAPHED)
         variants = {k: v for k, v in variants.items() if k in keep}
     for name, (which, factory) in variants.items():
         for p, saved in zip(matrices + rest, snapshot):
@@ -214,6 +243,13 @@ def main() -> None:
         del optimizer
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    host = {}
+    for name in ("ours (auto, MegaBatch, fused splits)", GRAPHED):
+        for p, saved in zip(matrices + rest, snapshot):
+            p.data.copy_(saved)
+        host[name] = host_cost(variants[name][1](matrices), device, args.warmup + 2, args.repeats)
+        print(f"host, {name:52s} {host[name][0]:8.2f} CPU ms {host[name][1]:7.0f} launches", flush=True)
 
     parts = {}
     for setting in ("auto", False):  # "auto": fused elementwise passes where Triton runs (CUDA)
@@ -241,6 +277,9 @@ def main() -> None:
               "| part | fused elementwise: auto, ms | off, ms |", "|---|---:|---:|"]
     table += [f"| {label} | {parts['auto'][key]:.2f} | {parts[False][key]:.2f} |"
               for key, label in BREAKDOWN_ROWS.items()]
+    table += ["", "Host side of a step (CPU time in `step()` after a synchronize; launches counted by the profiler: "
+              "kernels, graph launches, copies):", "", "| optimizer step | CPU ms | launches |", "|---|---:|---:|"]
+    table += [f"| {name} | {cpu_ms:.2f} | {launches:.0f} |" for name, (cpu_ms, launches) in host.items()]
     table += ["", "Newton–Schulz per stack (each batched call of one step timed alone, slowest first):", "",
               "| stack (count × rows × cols) | method | ms |", "|---|---|---:|"]
     table += [f"| {shape} | {method} | {ms:.2f} |" for shape, method, ms in stacks]

@@ -34,9 +34,11 @@ from megatron_muon.optimizer.routing import (
     piece_matrix_shape,
     piece_views,
 )
+from megatron_muon.optimizer.step_graphs import StepGraphs
 from megatron_muon.optimizer.tensor_parallel import TP_MODES, gather_tp_shards, local_tp_shard
 
 NS_KEYS = ("ns_steps", "coefficients", "method", "eps")
+STACK_KEYS = (*NS_KEYS, "momentum", "nesterov", "weight_decay_mode")  # the settings stacks + Newton–Schulz read
 
 
 def freeze_setting(value):
@@ -95,6 +97,8 @@ class Muon(torch.optim.Optimizer):
         check_finite: raise naming the parameter on a NaN/Inf gradient, before any state changes.
         fused_elementwise: "auto" (Triton on CUDA), True or False: momentum + Nesterov blend, and weight decay +
             update, each as one pass per matrix piece instead of several torch passes (same rounding).
+        graph_newton_schulz: replay the step's momentum stacks and Newton–Schulz from a CUDA graph once its tensors
+            and settings repeat (`step_graphs`); bit-identical results, one launch instead of hundreds.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class Muon(torch.optim.Optimizer):
         layout_fn: Callable[[torch.Tensor], MatrixLayout] | None = None,
         check_finite: bool = True,
         fused_elementwise="auto",
+        graph_newton_schulz: bool = False,
     ):
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -145,6 +150,8 @@ class Muon(torch.optim.Optimizer):
         self.check_finite = check_finite
         fused_passes.check_setting(fused_elementwise)
         self.fused_elementwise = fused_elementwise
+        self.graph_newton_schulz = graph_newton_schulz
+        self.step_graphs = StepGraphs(STACK_KEYS, freeze_setting)
         self._plan_cache: tuple[tuple, Plan] | None = None
         # megatron's deferred clip (`megatron.clip_deferral`): the next step multiplies each gradient by this
         # one-element fp32 tensor as it reads it, inside the fused momentum pass where it can
@@ -305,8 +312,8 @@ class Muon(torch.optim.Optimizer):
         factor, self.pending_grad_factor = self.pending_grad_factor, None
         with record_function("muon.momentum_sources"):
             sources = self._momentum_sources(params, grads, group_of, fused, factor)
-        for bucket_index, bucket in enumerate(plan.buckets):
-            ortho, full_shape = self._bucket_update(bucket_index, bucket, plan, sources, factor)
+        updates = self._bucket_updates(plan, sources, factor, fused)
+        for bucket, (ortho, full_shape) in zip(plan.buckets, updates):
             by_group: dict[int, tuple[list, list, list]] = {}
             offset = 0
             for index, piece_index in bucket.items:
@@ -325,6 +332,25 @@ class Muon(torch.optim.Optimizer):
                 with record_function(f"muon.apply_updates {bucket.shape}"):
                     self._apply_updates(owner, group_targets, chunks, scale, fused, models)
         return loss
+
+    def _bucket_updates(self, plan: Plan, sources, factor, fused: bool) -> list:
+        """Every bucket's (orthogonalized updates, full shape), from one CUDA graph where `graph_newton_schulz`."""
+
+        def compute(factor):
+            before = self.orthogonalized_matrices
+            results = [self._bucket_update(i, bucket, plan, sources, factor) for i, bucket in enumerate(plan.buckets)]
+            matrices, self.orthogonalized_matrices = self.orthogonalized_matrices - before, before
+            return results, matrices  # counted once per step below, replayed or not
+
+        if self._graph_step() and self.step_graphs.graphable(self, plan, sources, fused):
+            results, matrices = self.step_graphs.run(self, plan, sources, factor, compute)
+        else:
+            results, matrices = compute(factor)
+        self.orthogonalized_matrices += matrices
+        return results
+
+    def _graph_step(self) -> bool:
+        return self.graph_newton_schulz and self.step_graphs.graphs.disabled is None
 
     def _bucket_update(self, bucket_index: int, bucket: Bucket, plan: Plan, sources, factor):
         """The bucket's orthogonalized momentum updates (stacked) and its full matrix shape."""

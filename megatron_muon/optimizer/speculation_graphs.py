@@ -19,7 +19,8 @@ import torch
 class SpeculationGraphs:
     """Per wave: the inputs key of its last eager run, and its captured graph with the tensors the graph writes."""
 
-    def __init__(self):
+    def __init__(self, label: str = "speculation"):
+        self.label = label  # what the graphs hold, for the warning when a capture fails
         self._last_eager: dict[int, Hashable] = {}
         self._graphs: dict[int, tuple[Hashable, torch.cuda.CUDAGraph, object]] = {}
         self._pool = None  # one memory pool for all waves: they replay one after another on one stream
@@ -46,8 +47,8 @@ class SpeculationGraphs:
                 outputs = speculate()
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the exact eager path
             self.disabled = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            warnings.warn(f"Newton–Schulz speculation runs without CUDA graphs: capturing wave {wave} failed "
-                          f"({self.disabled})", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"Newton–Schulz {self.label} runs without CUDA graphs: capturing wave {wave} failed "
+                          f"({self.disabled}); results stay exact", RuntimeWarning, stacklevel=2)
             self._graphs.clear()
             return speculate()
         if self._pool is None:

@@ -19,11 +19,9 @@ from torch.profiler import record_function
 from megatron_muon.kernels.newton_schulz import work_dtype
 from megatron_muon.optimizer import fused_elementwise as fused_passes
 from megatron_muon.optimizer import fused_pieces, muon_math
-from megatron_muon.optimizer.muon import NS_KEYS, Bucket, Muon, Plan, freeze_setting
+from megatron_muon.optimizer.muon import STACK_KEYS, Bucket, Muon, Plan, freeze_setting
 from megatron_muon.optimizer.routing import piece_views
 from megatron_muon.optimizer.speculation_graphs import SpeculationGraphs
-
-_SPECULATION_KEYS = (*NS_KEYS, "momentum", "nesterov", "weight_decay_mode")  # the settings a speculation reads
 
 
 class WaveMuon(Muon):
@@ -108,7 +106,7 @@ class WaveMuon(Muon):
     def _graph_key(self, plan: Plan, buckets, grads) -> tuple:
         """What a captured wave depends on: the tensors it reads (by address) and every setting it bakes in."""
         groups = sorted({plan.group_of[index] for _, bucket in buckets for index, _ in bucket.items})
-        settings = tuple((g, *(freeze_setting(self.param_groups[g][k]) for k in _SPECULATION_KEYS),
+        settings = tuple((g, *(freeze_setting(self.param_groups[g][k]) for k in STACK_KEYS),
                           self.param_groups[g]["weight_decay"] if self.param_groups[g]["weight_decay_mode"] == "l2"
                           else None) for g in groups)  # not lr: the schedule changes it every step
         tensors = tuple((index, grads[index].data_ptr(), plan.params[index].data_ptr(),
@@ -190,6 +188,10 @@ class WaveMuon(Muon):
             return super().step(closure)
         finally:
             self._for_step, self._for_step_params = {}, set()
+
+    def _graph_step(self) -> bool:
+        """A step that reuses speculated buckets computes only the rest: not the graph of a whole step."""
+        return super()._graph_step() and not getattr(self, "_for_step", None)
 
     def _ema_in_fused_pass(self, param: torch.Tensor) -> bool:
         """Prepared buckets skip the stacking pass, so their momentum EMA runs eagerly (same rounding)."""

@@ -16,3 +16,4 @@ def test_optimizer_step_benchmark_smoke(tmp_path):
     assert "| building the NS stacks" in text and "| Newton–Schulz (batched calls alone) |" in text
     assert "| 24 × 352 × 64 | auto: gram |" in text  # fc1 (11264 × 2048 / 32) as one stack of 24
     assert "| all stacks, summed |" in text
+    assert text.count("| ours (auto, MegaBatch, fused splits, CUDA graph) |") == 2  # step table and host table
