@@ -112,7 +112,8 @@ def build_owner_muon(config, model_chunks, config_overrides, pg_collection):
     engine = WaveMuon(muon_groups, **kwargs)
     muon = OwnerMuonOptimizer([engine], config, pg_collection, [entry.init_state_fn], list(model_chunks),
                               newton_schulz_start=getattr(config, "muon_newton_schulz_start",
-                                                          DEFAULT_NEWTON_SCHULZ_START))
+                                                          DEFAULT_NEWTON_SCHULZ_START),
+                              graph_newton_schulz=kwargs.get("graph_newton_schulz", False))
     chained = [muon]
     if other_groups:
         process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(

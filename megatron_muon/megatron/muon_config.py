@@ -46,11 +46,13 @@ class MuonConfig:
     extra_scale: float = 1.0
     split_fused: bool = True
     tp_mode: str = "blockwise"
+    graph_newton_schulz: bool = False  # the step's stacks and NS (and the owners' speculation) from CUDA graphs
 
     @classmethod
     def from_options(cls, options) -> MuonConfig:
         """From anything carrying megatron's `muon_*` names: an OptimizerConfig, Megatron-LM's args, the recipe's
-        optimizer section (a missing name keeps megatron's default). `muon_ns_method` is this plugin's addition."""
+        optimizer section (a missing name keeps megatron's default). `muon_ns_method` and `muon_graph_newton_schulz` are
+        this plugin's additions."""
         defaults = cls()
         precision = getattr(options, "muon_fp32_matmul_prec", "medium")
         if precision not in _MATMUL_PRECISION_DTYPES:
@@ -67,12 +69,14 @@ class MuonConfig:
             extra_scale=getattr(options, "muon_extra_scale_factor", defaults.extra_scale),
             split_fused=getattr(options, "muon_split_qkv", defaults.split_fused),
             tp_mode=getattr(options, "muon_tp_mode", defaults.tp_mode),
+            graph_newton_schulz=bool(getattr(options, "muon_graph_newton_schulz", defaults.graph_newton_schulz)),
         )
 
     def muon_kwargs(self) -> dict[str, Any]:
         """`Muon` / `WaveMuon` keyword arguments for these settings."""
         return dict(momentum=self.momentum, nesterov=self.nesterov, scale_mode=self.scale_mode,
                     extra_scale=self.extra_scale, split_fused=self.split_fused, tp_mode=self.tp_mode,
+                    graph_newton_schulz=self.graph_newton_schulz,
                     **self.orthogonalizer.muon_kwargs())
 
 

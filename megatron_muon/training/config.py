@@ -99,6 +99,8 @@ class OptimizerSection:
     muon_tp_mode: str = "blockwise"
     # with the distributed optimizer: where each owner starts its Newton–Schulz ("backward_end", "bucket", "step")
     muon_newton_schulz_start: str = "backward_end"
+    # replay Muon's momentum stacks and Newton–Schulz from CUDA graphs once their tensors repeat (bit-identical)
+    muon_graph_newton_schulz: bool = False
     one_pass_adamw: bool = True  # AdamW's clip factor, update and bf16 model copy in one pass where Triton runs
     muon_clip_in_momentum: bool = True  # megatron's clip applied inside our Muon's fused momentum pass
     muon_model_copy: bool = True  # the bf16 model copies written by our Muon's fused update pass

@@ -68,6 +68,7 @@ def optimizer_config(recipe: Recipe):
         overlap_param_gather=recipe.parallel.overlap_param_gather,
     )
     config.muon_newton_schulz_start = opt.muon_newton_schulz_start  # the owner engine's (not a megatron option)
+    config.muon_graph_newton_schulz = opt.muon_graph_newton_schulz  # this plugin's (not a megatron option)
     return config
 
 

@@ -96,3 +96,15 @@ def test_owner_plan_settings_name_the_fix():
         owner_layout.OwnerPlanSettings(method="lpt")
     with pytest.raises(ValueError, match="tokens_per_step"):
         owner_layout.OwnerPlanSettings(tokens_per_step=0)
+
+
+def test_the_recipes_graph_setting_reaches_muon_through_megatrons_config():
+    from megatron_muon.optimizer.muon import Muon
+    from megatron_muon.training.loop import optimizer_config
+    from megatron_muon.training.recipes import load_recipe
+
+    assert MuonConfig.from_options(optimizer_config(load_recipe("tiny-cpu"))).graph_newton_schulz is False
+    config = optimizer_config(load_recipe("tiny-cpu", ["optimizer.muon_graph_newton_schulz=true"]))
+    kwargs = muon_kwargs_from_config(config, [], None)
+    assert kwargs["graph_newton_schulz"] is True
+    assert Muon([torch.nn.Parameter(torch.zeros(4, 4))], **kwargs).graph_newton_schulz is True
