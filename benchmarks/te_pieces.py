@@ -81,9 +81,16 @@ def attention_cases(sizes, device, te: bool):
     ours = SDPADotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal)
     cases = {"ours: SDPA on cuDNN": fwd_bwd(ours, inputs, grad_out)}
     if te:
-        from megatron_muon.layers.attention import TEFusedDotProductAttention
+        import os
 
-        theirs = TEFusedDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal)
+        from megatron.core.transformer.enums import AttnBackend
+
+        from megatron_muon.layers.attention import TE_FUSED_ATTENTION_ENV, TEFusedDotProductAttention
+
+        os.environ.update(TE_FUSED_ATTENTION_ENV)  # what megatron's model exports for attention_backend=fused
+        fused = piece_config(sizes, device)
+        fused.attention_backend = AttnBackend.fused
+        theirs = TEFusedDotProductAttention(fused, layer_number=1, attn_mask_type=AttnMaskType.causal)
         cases["TE: fused attention"] = fwd_bwd(theirs, inputs, grad_out)
     return cases
 
