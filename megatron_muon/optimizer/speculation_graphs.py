@@ -41,9 +41,11 @@ class SpeculationGraphs:
             self._last_eager[wave] = key
             return speculate()
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
+        if stream == torch.cuda.default_stream():  # no capture on the default stream: torch's own capture stream
+            stream = None
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.current_stream(),
-                                  capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                 outputs = speculate()
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the exact eager path
             self.disabled = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
