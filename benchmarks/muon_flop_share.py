@@ -123,7 +123,8 @@ def main(argv=None) -> str:
         destroy_model_parallel()
         if created:
             torch.distributed.destroy_process_group()
-    text = markdown(rows, "python benchmarks/muon_flop_share.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    command = "python benchmarks/muon_flop_share.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = markdown(rows, command)
     print(text)
     if args.out is not None:
         args.out.write_text(text)

@@ -75,7 +75,9 @@ def attention_cases(sizes, device, te: bool):
 
     config = piece_config(sizes, device)
     s, h, g, d = sizes["tokens"], sizes["heads"], sizes["groups"], sizes["head_dim"]
-    make = lambda heads: torch.randn(s, 1, heads, d, device=device, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    def make(heads):
+        return torch.randn(s, 1, heads, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+
     inputs = (make(h), make(g), make(g), None)
     grad_out = torch.randn(s, 1, h * d, device=device, dtype=torch.bfloat16)
     ours = SDPADotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal)

@@ -100,7 +100,8 @@ def _qualifies(wrapper) -> bool:
     inner = wrapper.optimizer
     if wrapper.is_stub_optimizer:
         return False
-    if type(inner) not in (torch.optim.AdamW, torch.optim.Adam) and not (_is_te_adam(inner) and te_adam_qualifies(inner)):
+    torch_adam = type(inner) in (torch.optim.AdamW, torch.optim.Adam)
+    if not torch_adam and not (_is_te_adam(inner) and te_adam_qualifies(inner)):
         return False
     if getattr(wrapper.config, "reuse_grad_buf_for_mxfp8_param_ag", False):
         return False

@@ -4,8 +4,8 @@ megatron's mixed-precision wrapper, where it replaces three passes over the mast
 
 The state keeps the inner optimizer's layout, so checkpoints stay interchangeable with it: torch's (a `step` per
 parameter, `exp_avg`, `exp_avg_sq`) or, for Transformer Engine's FusedAdam (`group_step=True`), one integer `step`
-per param group that advances every step, as TE advances it. Gradients are not written back: after the step they hold the unclipped values. Whole blocks load and store
-unmasked with alignment hints (128-bit accesses).
+per param group that advances every step, as TE advances it. Gradients are not written back: after the step they
+hold the unclipped values. Whole blocks load and store unmasked with alignment hints (128-bit accesses).
 """
 
 from __future__ import annotations

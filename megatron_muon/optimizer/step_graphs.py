@@ -19,7 +19,7 @@ from megatron_muon.optimizer.speculation_graphs import SpeculationGraphs
 
 
 class StepGraphs:
-    """One graph per optimizer for its step's stacks and Newton–Schulz; `settings` names the group keys it bakes in."""
+    """One graph per optimizer for its step's stacks and Newton–Schulz; `settings`: the group keys it bakes in."""
 
     def __init__(self, settings: tuple[str, ...], freeze: Callable[[object], object]):
         self.settings, self.freeze = settings, freeze  # freeze: a hashable form of a group setting
