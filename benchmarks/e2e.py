@@ -52,7 +52,8 @@ def rung_recipe(recipe, rung: Rung):
     """The recipe with the rung's optimizer and compile setting (everything else identical across rungs)."""
     from dataclasses import replace
 
-    return replace(recipe, optimizer=replace(recipe.optimizer, name=rung.optimizer),
+    return replace(recipe, optimizer=replace(recipe.optimizer, name=rung.optimizer,
+                                             muon_graph_newton_schulz=rung.muon_graphs),
                    training=replace(recipe.training, torch_compile=rung.compiled),
                    model=replace(recipe.model, spec_backend=rung.spec_backend))
 

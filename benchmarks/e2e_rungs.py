@@ -67,6 +67,7 @@ class Rung:
     gdn_kernels: str = "ours"  # GDN's chunk kernels: ours where they qualify, ours with the Triton state kernels
     # ("triton"), or FLA's everywhere ("fla")
     spec_backend: str = "local"  # our spec's modules: "local" or Transformer Engine's ("te")
+    muon_graphs: bool = False  # our Muon's stacks and Newton–Schulz replayed from a CUDA graph
 
 
 RUNGS = {
@@ -101,6 +102,9 @@ RUNGS = {
               one_pass_adamw=True, first_grad_overwrite=True),
     "6": Rung("6", "-> our Muon", "ours", "cudnn", True, "muon", True, main_grad_add=True, one_pass_adamw=True,
               muon_clip_in_momentum=True, muon_model_copy=True, first_grad_overwrite=True),
+    "6g": Rung("6g", "rung 6 with the stacks and Newton–Schulz from a CUDA graph", "ours", "cudnn", True, "muon", True,
+               main_grad_add=True, one_pass_adamw=True, muon_clip_in_momentum=True, muon_model_copy=True,
+               first_grad_overwrite=True, muon_graphs=True),
     "6c": Rung("6c", "rung 6 with megatron's clip multiply before our Muon", "ours", "cudnn", True, "muon", True,
                main_grad_add=True, one_pass_adamw=True, muon_model_copy=True, first_grad_overwrite=True),
     "6w": Rung("6w", "rung 6 with megatron's master-to-model copy after our Muon", "ours", "cudnn", True, "muon",

@@ -35,6 +35,16 @@ def test_only_the_te_rungs_build_our_spec_on_transformer_engine():
     assert compiled == {"4te-e": False, "4te": True, "1te": False, "1tm": False, "3te": True}
 
 
+def test_only_rung_6g_replays_muons_newton_schulz_from_graphs():
+    from e2e import rung_recipe
+
+    from megatron_muon.training.recipes import load_recipe
+
+    base = load_recipe("tiny-cpu", [])
+    graphs = {r.key: rung_recipe(base, r).optimizer.muon_graph_newton_schulz for r in parse_rungs("6,6g,4")}
+    assert graphs == {"6": False, "6g": True, "4": False}
+
+
 def test_profiled_rungs_must_be_run():
     from e2e import main
 
