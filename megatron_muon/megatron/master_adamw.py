@@ -91,9 +91,12 @@ def _is_te_adam(inner) -> bool:
 def te_adam_qualifies(inner) -> bool:
     """TE's FusedAdam computes what the pass computes when it keeps fp32 moments and no masters of its own (megatron's
     wrapper holds them) and takes a host learning rate: megatron's build without the precision-aware optimizer."""
-    return (not inner.master_weights and not inner.capturable and not inner.use_decoupled_grad
-            and not getattr(inner, "store_param_remainders", False)
-            and inner.exp_avg_dtype == torch.float32 and inner.exp_avg_sq_dtype == torch.float32)
+    # an attribute this TE version lacks counts as the setting the pass does not cover
+    return (getattr(inner, "master_weights", True) is False and getattr(inner, "capturable", True) is False
+            and not getattr(inner, "use_decoupled_grad", True) and not getattr(inner, "store_param_remainders", False)
+            and getattr(inner, "exp_avg_dtype", None) == torch.float32
+            and getattr(inner, "exp_avg_sq_dtype", None) == torch.float32
+            and hasattr(inner, "adam_w_mode") and callable(getattr(inner, "initialize_state", None)))
 
 
 def _qualifies(wrapper) -> bool:

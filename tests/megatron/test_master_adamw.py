@@ -208,12 +208,16 @@ def test_te_fused_adam_qualifies_only_as_megatron_builds_it_without_precision_aw
     from megatron_muon.megatron import master_adamw
 
     plain = dict(master_weights=False, capturable=False, use_decoupled_grad=False, store_param_remainders=False,
-                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32)
+                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, adam_w_mode=1,
+                 initialize_state=lambda param, remainders: None)
     assert master_adamw.te_adam_qualifies(SimpleNamespace(**plain))
     for change in [dict(master_weights=True), dict(capturable=True), dict(use_decoupled_grad=True),
                    dict(store_param_remainders=True), dict(exp_avg_dtype=torch.bfloat16),
                    dict(exp_avg_sq_dtype=torch.float16)]:
         assert not master_adamw.te_adam_qualifies(SimpleNamespace(**{**plain, **change})), change
+    for missing in plain:  # an older TE without one of these keeps its own step; without remainders it stores none
+        without = SimpleNamespace(**{key: value for key, value in plain.items() if key != missing})
+        assert master_adamw.te_adam_qualifies(without) == (missing == "store_param_remainders"), missing
 
     class FusedAdam:  # stands in for TE's class: the layout is chosen by exact type
         pass
