@@ -35,14 +35,6 @@ REFERENCE = dict(tokens=16384, hidden=2048, heads=16, groups=4, head_dim=128, ff
 TINY = dict(tokens=64, hidden=64, heads=4, groups=2, head_dim=16, ffn=96, adam_params=4096)
 
 
-def te_available() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - absent, or present without its CUDA libraries
-        return False
-    return True
-
-
 def piece_config(sizes: dict, device: str, accumulate: bool = False):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -246,7 +238,9 @@ def main(argv=None) -> str:
     if unknown:
         raise ValueError(f"unknown pieces {unknown}; valid: {list(PIECES)}")
     sizes = TINY if args.tiny else REFERENCE
-    te = args.device == "cuda" and te_available()
+    from megatron_muon.training.te_cudnn import transformer_engine_usable
+
+    te = args.device == "cuda" and transformer_engine_usable()
     compiled = not args.no_compile and args.device == "cuda"
     init_megatron(args.device)
 

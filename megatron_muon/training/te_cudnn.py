@@ -17,6 +17,15 @@ from pathlib import Path
 import torch
 
 
+def transformer_engine_usable() -> bool:
+    """Whether TE's PyTorch modules import here (installed, with the CUDA libraries they load)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent, or present without its libraries: either way unusable here
+        return False
+    return True
+
+
 def torch_cudnn_dir() -> Path | None:
     """The `nvidia/cudnn` folder of the wheel torch loads its cuDNN from, or None (a system or source build)."""
     spec = importlib.util.find_spec("nvidia.cudnn")

@@ -9,20 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_muon.training.te_cudnn import transformer_engine_usable
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def _have_te() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - absent or unusable: either way there is nothing to test
-        return False
-    return True
-
-
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(not _have_te(), reason="needs Transformer Engine (pip install megatron-muon[te])")]
+              pytest.mark.skipif(not transformer_engine_usable(),
+                                 reason="needs Transformer Engine (pip install megatron-muon[te])")]
 
 
 def test_our_te_spec_trains_compiled_like_eager(tmp_path):

@@ -6,19 +6,13 @@ attention runs cuDNN's fused kernels."""
 import pytest
 import torch
 
+from megatron_muon.training.te_cudnn import transformer_engine_usable
 from tests.ops.helpers import error_ratio
 
 
-def _have_te() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - absent or unusable: either way there is nothing to test
-        return False
-    return True
-
-
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(not _have_te(), reason="needs Transformer Engine (pip install megatron-muon[te])")]
+              pytest.mark.skipif(not transformer_engine_usable(),
+                                 reason="needs Transformer Engine (pip install megatron-muon[te])")]
 
 VOCAB, SEQ = 512, 256  # four 64-token GDN chunks
 # bf16 through 4 layers with different fusions (TE's fused norm + GEMM, its attention against SDPA's cuDNN call):
