@@ -2,6 +2,7 @@
 scheduler's pre-time-limit SIGTERM, saves and stops; the same script submitted again resumes from that checkpoint."""
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -20,9 +21,17 @@ TRAIN = ["--set", "training.micro_batch_size=4", "--set", "logging.log_interval=
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port below the kernel's ephemeral range: srun and slurmstepd open their I/O sockets on ephemeral ports,
+    so a port the kernel handed out (bind to 0) and released can be taken by srun before torchrun binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random().sample(range(20000, min(low, 32768)), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between 20000 and {low}")
 
 
 def _submit(env: dict[str, str], cwd: Path, name: str, sbatch_args: list[str], pretrain_args: list[str]) -> str:
