@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
+import subprocess
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
@@ -94,3 +97,20 @@ def write_table_and_rows(path, lines: list[str], meta: dict, rows: list[dict]) -
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+def free_memory() -> None:
+    """Drops what the previous run left on the device and resets the peak counters before the next one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import package_versions, write_table_and_rows  # noqa: E402
-from e2e import _free_memory, _git_revision, train_steps  # noqa: E402
+from bench_env import free_memory, git_revision, package_versions, write_table_and_rows  # noqa: E402
+from e2e import train_steps  # noqa: E402
 
 VARIANTS = {  # label, optimizer, where Newton-Schulz starts (+ graphs), whether the step runs on a high-priority stream
     "adam": ("megatron DistributedOptimizer, AdamW (fused)", "adam", "bucket", False),
@@ -102,7 +102,7 @@ def build(recipe, newton_schulz_start: str):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_muon.megatron.fast_paths import install_fast_paths
-    from megatron_muon.training.loop import optimizer_config
+    from megatron_muon.training.optimizer_setup import optimizer_config
     from megatron_muon.training.model import build_model, transformer_config, uses_owner_engine, wrap_model
 
     torch.manual_seed(recipe.training.seed)
@@ -150,9 +150,9 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
                      training=replace(base.training, micro_batch_size=1, global_batch_size=world * micro))
     row = {"variant": key, "label": label, "world": world, "rank": rank, "micro_batches": micro}
     join_fake_group(world, rank)
-    _free_memory()
+    free_memory()
     if args.poison:
-        poison_free_memory()
+        poisonfree_memory()
     model = optimizer = None
     # a high-priority step stream: the backward's blocks go first, the side stream's Newton-Schulz fills what is left
     step_stream = torch.cuda.Stream(priority=-1) if high_priority and torch.cuda.is_available() else None
@@ -206,12 +206,12 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
         row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
         traceback.print_exc()
     del model, optimizer
-    _free_memory()
+    free_memory()
     print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
     return row
 
 
-def poison_free_memory() -> None:
+def poisonfree_memory() -> None:
     """Fill most of the device's free memory with NaN bytes and hand it to the caching allocator: a kernel that reads
     memory nobody wrote (an `empty` buffer taken as zeros) then makes NaNs, which `--trace` locates."""
     if not torch.cuda.is_available():
@@ -448,7 +448,7 @@ def main(argv=None) -> None:
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
             "steps": args.steps, "warmup": args.warmup, "seq_length": recipe.model.seq_length,
             "micro_batches": args.micro_batches, "deterministic": args.deterministic,
-            "revision": args.revision or _git_revision(),
+            "revision": args.revision or git_revision(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python " + " ".join(sys.argv), "versions": package_versions()}
     rows = []

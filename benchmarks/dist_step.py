@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import package_versions, write_table_and_rows  # noqa: E402
-from e2e import _free_memory, _git_revision, build_rung, compile_stats, train_steps  # noqa: E402
+from bench_env import free_memory, git_revision, package_versions, write_table_and_rows  # noqa: E402
+from e2e import build_rung, compile_stats, train_steps  # noqa: E402
 from e2e_report import write_profile  # noqa: E402
 from e2e_rungs import Rung  # noqa: E402
 
@@ -153,7 +153,7 @@ def run_variant(base_recipe, variant: Variant, ctx, args, timer: NewtonSchulzTim
     row = {"variant": variant.key, "label": variant.label}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    _free_memory()
+    free_memory()
     start = time.perf_counter()
     model = optimizer = None
     try:
@@ -200,7 +200,7 @@ def run_variant(base_recipe, variant: Variant, ctx, args, timer: NewtonSchulzTim
     row["ranks"] = ranks
     row["wall_s"] = time.perf_counter() - start
     del model, optimizer
-    _free_memory()
+    free_memory()
     if ctx.is_main:
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
     return row
@@ -280,7 +280,7 @@ def main(argv=None) -> None:
     meta = {"recipe": args.recipe, "overrides": args.set, "world": ctx.world_size, "device": ctx.device_name,
             "backend": torch.distributed.get_backend(),
             "steps": args.steps, "warmup": args.warmup, "seq_length": recipe.model.seq_length,
-            "revision": args.revision or _git_revision(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "revision": args.revision or git_revision(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "torchrun --nproc-per-node {} ".format(ctx.world_size) + " ".join(sys.argv),
             "versions": package_versions()}
     timer = NewtonSchulzTimer()

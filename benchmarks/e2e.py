@@ -13,11 +13,9 @@ to back as in megatron's loop, timed by CUDA events (`training/step_timer.py`). 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -28,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import package_versions  # noqa: E402
+from bench_env import free_memory, git_revision, package_versions  # noqa: E402
 from e2e_report import write_profile, write_report  # noqa: E402
 from e2e_rungs import Rung, build_upstream_model, build_upstream_te_model, parse_rungs  # noqa: E402
 
@@ -38,14 +36,6 @@ from megatron_muon.ops.kernel_choice import set_gdn_kernels  # noqa: E402
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        torch.cuda.reset_accumulated_memory_stats()
 
 
 def rung_recipe(recipe, rung: Rung):
@@ -66,7 +56,7 @@ def build_rung(recipe, rung: Rung, on_gpu: bool, owner_plan=None):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_muon.megatron.fast_paths import install_fast_paths
-    from megatron_muon.training.loop import optimizer_config
+    from megatron_muon.training.optimizer_setup import optimizer_config
     from megatron_muon.training.model import build_model, transformer_config, wrap_model
     from megatron_muon.training.validation import full_layer_pattern
 
@@ -159,7 +149,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
            "compile_scope": recipe.training.compile_scope if rung.compiled else None}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    _free_memory()
+    free_memory()
     on_gpu = ctx.device.type == "cuda"
     start = time.perf_counter()
     model = optimizer = None
@@ -200,7 +190,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     row["wall_s"] = time.perf_counter() - start
     row["measured"] = f"{time.strftime('%Y-%m-%d %H:%M')} {args.revision}"
     del model, optimizer
-    _free_memory()
+    free_memory()
     print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
     return row
 
@@ -226,7 +216,7 @@ def main(argv=None) -> None:
     if profiled - {r.key for r in rungs}:
         raise SystemExit(f"--profile-rung {args.profile_rung} names rungs that --rungs {args.rungs} does not run; "
                          "add them to --rungs")
-    args.revision = args.revision or _git_revision()
+    args.revision = args.revision or git_revision()
 
     from megatron_muon import register
     from megatron_muon.training.distributed import init_distributed, shutdown_distributed
@@ -260,14 +250,6 @@ def _restore_attention_environment(saved: dict[str, str]) -> None:
     for key in [k for k in os.environ if k.startswith("NVTE_") and k not in saved]:
         del os.environ[key]
     os.environ.update(saved)
-
-
-def _git_revision() -> str:
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ from megatron_muon.training.config import Recipe
 from megatron_muon.training.data import MicroBatches, build_train_dataset
 from megatron_muon.training.distributed import RunContext
 from megatron_muon.training.model import (
-    DTYPES,
     build_model,
     count_parameters,
     transformer_config,
     uses_owner_engine,
     wrap_model,
 )
+from megatron_muon.training.optimizer_setup import lr_scheduler, optimizer_config, sharded_optimizer
 from megatron_muon.training.preemption import StopOnSignal
 from megatron_muon.training.report import JsonlLog, format_step, plot_run, read_jsonl
 from megatron_muon.training.step_timer import StepTimer
@@ -34,69 +34,6 @@ from megatron_muon.training.validation import data_parallel_size, model_shape
 
 LOG_FILE = "train_log.jsonl"
 PLOT_FILE = "loss_mfu.png"
-
-
-def optimizer_config(recipe: Recipe):
-    """megatron OptimizerConfig from the recipe; `optimizer.name` picks the registered optimizer (muon = ours)."""
-    from megatron.core.optimizer import OptimizerConfig
-
-    opt, precision = recipe.optimizer, recipe.training.precision
-    # As Megatron-LM does: `dist_X` is X inside megatron's layer-wise distributed optimizer.
-    layer_wise = opt.name.startswith("dist_")
-    config = OptimizerConfig(
-        optimizer=opt.name.removeprefix("dist_"),
-        use_layer_wise_distributed_optimizer=layer_wise,
-        lr=opt.lr,
-        min_lr=opt.min_lr,
-        weight_decay=opt.weight_decay,
-        clip_grad=opt.clip_grad,
-        adam_beta1=opt.adam_beta1,
-        adam_beta2=opt.adam_beta2,
-        adam_eps=opt.adam_eps,
-        muon_momentum=opt.muon_momentum,
-        muon_nesterov=opt.muon_nesterov,
-        muon_num_ns_steps=opt.muon_num_ns_steps,
-        muon_coefficient_type=opt.muon_coefficient_type,
-        muon_scale_mode=opt.muon_scale_mode,
-        muon_extra_scale_factor=opt.muon_extra_scale_factor,
-        muon_split_qkv=opt.muon_split_qkv,
-        muon_tp_mode=opt.muon_tp_mode,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        params_dtype=DTYPES[precision],
-        use_distributed_optimizer=recipe.parallel.use_distributed_optimizer and not layer_wise,
-        overlap_param_gather=recipe.parallel.overlap_param_gather,
-    )
-    config.muon_newton_schulz_start = opt.muon_newton_schulz_start  # the owner engine's (not a megatron option)
-    config.muon_graph_newton_schulz = opt.muon_graph_newton_schulz  # this plugin's (not a megatron option)
-    return config
-
-
-def _sharded_optimizer(recipe: Recipe) -> bool:
-    """Whether megatron's DistributedOptimizer holds the AdamW state (its checkpoint format)."""
-    return recipe.parallel.use_distributed_optimizer or uses_owner_engine(recipe)
-
-
-def lr_scheduler(recipe: Recipe, optimizer):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    opt, iters = recipe.optimizer, recipe.training.train_iters
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if opt.lr_warmup_iters else opt.lr,
-        max_lr=opt.lr,
-        min_lr=opt.min_lr,
-        lr_warmup_steps=opt.lr_warmup_iters,
-        lr_decay_steps=opt.lr_decay_iters or iters,
-        lr_decay_style=opt.lr_decay_style,
-        start_wd=opt.weight_decay,
-        end_wd=opt.weight_decay,
-        wd_incr_steps=iters,
-        wd_incr_style="constant",
-        # a resumed run takes the checkpoint's schedule (and says so), or the recipe's with override_lr_schedule
-        use_checkpoint_opt_param_scheduler=not recipe.checkpoint.override_lr_schedule,
-        override_opt_param_scheduler=recipe.checkpoint.override_lr_schedule,
-    )
 
 
 def forward_step(data_iterator, model_chunk):
@@ -329,7 +266,7 @@ def _resume(recipe: Recipe, step: int | None, saved: dict | None, model, optimiz
         if override and "max_lr" in saved:
             remap_group_lrs(state, saved, recipe_schedule)
 
-    load_checkpoint(root, step, model, optimizer, scheduler, _sharded_optimizer(recipe), transform)
+    load_checkpoint(root, step, model, optimizer, scheduler, sharded_optimizer(recipe), transform)
     notes = [f"resumed from iteration {step} ({root})"]
     if changes and override:
         notes.append(f"LR schedule from the recipe, not the checkpoint (checkpoint.override_lr_schedule): "
@@ -374,7 +311,7 @@ def _bytes_text(count: int | None) -> str:
 
 
 def _save(recipe: Recipe, run: _Run, step: int) -> None:
-    save_checkpoint(recipe.checkpoint.save, step, run.model, run.optimizer, run.scheduler, _sharded_optimizer(recipe))
+    save_checkpoint(recipe.checkpoint.save, step, run.model, run.optimizer, run.scheduler, sharded_optimizer(recipe))
 
 
 def pretrain(recipe: Recipe, ctx: RunContext, evaluate: Callable[[Any], dict[str, Any]] | None = None

@@ -36,7 +36,7 @@ def test_defaults_are_megatrons():
 
 
 def test_the_recipe_and_the_optimizer_config_it_builds_agree():
-    from megatron_muon.training.loop import optimizer_config
+    from megatron_muon.training.optimizer_setup import optimizer_config
     from megatron_muon.training.recipes import load_recipe
 
     recipe = load_recipe("tiny-cpu", ["optimizer.muon_num_ns_steps=4", "optimizer.muon_coefficient_type=cans"])
@@ -45,7 +45,7 @@ def test_the_recipe_and_the_optimizer_config_it_builds_agree():
 
 
 def test_the_recipes_newton_schulz_start_reaches_the_optimizer_config_and_is_checked():
-    from megatron_muon.training.loop import optimizer_config
+    from megatron_muon.training.optimizer_setup import optimizer_config
     from megatron_muon.training.recipes import load_recipe
     from megatron_muon.training.config import RecipeError
     from megatron_muon.training.validation import validate
@@ -100,7 +100,7 @@ def test_owner_plan_settings_name_the_fix():
 
 def test_the_recipes_graph_setting_reaches_muon_through_megatrons_config():
     from megatron_muon.optimizer.muon import Muon
-    from megatron_muon.training.loop import optimizer_config
+    from megatron_muon.training.optimizer_setup import optimizer_config
     from megatron_muon.training.recipes import load_recipe
 
     assert MuonConfig.from_options(optimizer_config(load_recipe("tiny-cpu"))).graph_newton_schulz is False
