@@ -58,13 +58,20 @@ def _clip_or_defer(parameters, max_norm, total_norm, use_decoupled_grad: bool = 
     owner = None if use_decoupled_grad else _sole_owner(parameters)
     if owner is None:
         return _original_clip(parameters, max_norm, total_norm, use_decoupled_grad)
+    if isinstance(total_norm, torch.Tensor):
+        owner.pending = clip_factor(max_norm, total_norm)
+        return None
     factor = max_norm / (total_norm + 1.0e-6)
-    if isinstance(factor, torch.Tensor):
-        owner.pending = factor.reshape(1).float().clamp_max(1.0)
-    elif factor < 1.0:  # a host norm: as megatron, nothing to do when not clipped
+    if factor < 1.0:  # a host norm: as megatron, nothing to do when not clipped
         device = next(iter(owner.inner.param_groups[0]["params"])).device
         owner.pending = torch.tensor([factor], dtype=torch.float32, device=device)
     return None
+
+
+def clip_factor(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """megatron's clip coefficient for a device norm, min(1, max_norm / (norm + 1e-6)), as a one-element fp32
+    tensor: the same operations as its `clip_grad_by_total_norm_fp32`, so the same bits."""
+    return (max_norm / (total_norm + 1.0e-6)).reshape(1).float().clamp_max(1.0)
 
 
 def _sole_owner(parameters):

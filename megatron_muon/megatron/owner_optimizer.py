@@ -10,15 +10,23 @@ Where Newton–Schulz starts (`newton_schulz_start`): `bucket` (with `overlap_gr
 its reduce-scatter has landed, on a side stream while the backward continues (a hook on the parameters' gradient
 accumulators, after DDP's own); `backward_end` for all owned matrices at once, one batch per shape, on the side
 stream when the step prepares its gradients, so the host queues it before it blocks reading the gradient norm and
-the GPU runs it while the host queues the step; `step` inside the step. The first two assume the step will not
-clip: `OwnerMuonChain.get_grad_norm` tells the engines whether the clip factor is 1, and a clipped step recomputes
-(`WaveMuon`). Clipping comes in runs (early training, loss spikes), so after a clipped step the next one waits for
-its clip factor instead of speculating.
+the GPU runs it while the host queues the step; `step` inside the step.
+
+With gradient clipping, `backward_end` takes the clip factor into the speculation: the chain computes the global
+gradient norm on the device first (megatron's own computation, which it then reuses instead of repeating), and each
+owner speculates on its gradients times min(1, clip / norm), as megatron's clip will scale them, so a clipped step
+keeps its Newton–Schulz ahead of the step. That needs the norm as a device tensor (megatron returns one when a
+tensor clip kernel exists, as `register()` provides without TE or Apex) and one norm for every parameter (no
+separately clipped grad-norm group). Otherwise, and for `bucket` (whose speculation starts before the norm exists),
+speculation assumes the step will not clip: `OwnerMuonChain.get_grad_norm` tells the engines whether the clip
+factor is 1, and a clipped step recomputes (`WaveMuon`). Clipping comes in runs (early training, loss spikes), so
+after such a clipped step the next one waits for its clip factor instead of speculating.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from megatron.core.optimizer.layer_wise_optimizer import (
@@ -28,6 +36,7 @@ from megatron.core.optimizer.layer_wise_optimizer import (
 from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 from torch.profiler import record_function
 
+from megatron_muon.megatron.clip_deferral import clip_factor
 from megatron_muon.optimizer.wave_muon import WaveMuon
 
 NEWTON_SCHULZ_STARTS = ("bucket", "backward_end", "step")  # where each owner starts its Newton–Schulz
@@ -84,6 +93,9 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         self.newton_schulz_start = newton_schulz_start
         self.graph_newton_schulz = graph_newton_schulz
         self._last_step_clipped = False  # clipping comes in runs: after a clipped step, wait for the step's factor
+        self.clip_factor_from_chain = False  # set by OwnerMuonChain while its prepare_grads runs (module docstring)
+        self._carried = False  # this step's speculation took the clip factor in
+        self._clip_factor: torch.Tensor | None = None  # where it lives (one address, for graph replays)
         self.engines = [child.optimizer for child in self.chained_optimizers if isinstance(child.optimizer, WaveMuon)]
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() and self._on_cuda() else None
         self._waves: list[tuple] = []  # per wave: (bucket group, [(engine, optimizer param, model param)])
@@ -157,22 +169,24 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
             self._launch(wave, group.grad_reduce_handle, members)
         return hook
 
-    def _launch(self, wave: int | None, handle, members) -> None:
-        """Speculate `wave` (None: every wave, batched by shape) once `handle` (None: nothing) has landed."""
+    def _launch(self, wave: int | None, handle, members, grad_factor: torch.Tensor | None = None) -> None:
+        """Speculate `wave` (None: every wave, batched by shape) once `handle` (None: nothing) has landed, on the
+        gradients times `grad_factor` where one is given."""
         grads = {id(param): model_param.main_grad for _, param, model_param in members}
         engines = {id(engine): engine for engine, _, _ in members}.values()
         if self._stream is None:
             if handle is not None:
                 handle.wait()
             for engine in engines:
-                engine.speculate(wave, lambda p: grads[id(p)])
+                engine.speculate(wave, lambda p: grads[id(p)], grad_factor=grad_factor)
         else:
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
                 if handle is not None:
                     handle.wait()
                 for engine in engines:
-                    engine.speculate(wave, lambda p: grads[id(p)], graphed=self.graph_newton_schulz)
+                    engine.speculate(wave, lambda p: grads[id(p)], graphed=self.graph_newton_schulz,
+                                     grad_factor=grad_factor)
         self.wave_log.append(("speculated", wave))
 
     @torch.no_grad()
@@ -182,12 +196,31 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         can read it while Newton–Schulz still runs, and queue the step behind it (`join_newton_schulz`, before
         anything writes a gradient, a buffer or a parameter)."""
         self._started.clear()
+        self._carried = False
         with record_function("owner.prepare_grads"):
             found_inf = super().prepare_grads()
-        if self._newton_schulz_start == "backward_end" and not self._last_step_clipped and not found_inf:
+        if self._newton_schulz_start == "backward_end" and not self._last_step_clipped and not found_inf \
+                and not self.clip_factor_from_chain:
             with record_function("owner.speculate_all"):
                 self._launch(None, None, self._all_members)
         return found_inf
+
+    @torch.no_grad()
+    def speculate_clipped(self, factor: torch.Tensor | None) -> None:
+        """`backward_end` under clipping: every owned matrix's Newton–Schulz on its gradients times `factor`, the
+        step's clip factor on the device (`OwnerMuonChain`); None: the factor is not known before the step, so the
+        speculation assumes no clip, as without clipping."""
+        if factor is None:
+            if not self._last_step_clipped:
+                with record_function("owner.speculate_all"):
+                    self._launch(None, None, self._all_members)
+            return
+        if self._clip_factor is None or self._clip_factor.device != factor.device:
+            self._clip_factor = torch.empty(1, dtype=torch.float32, device=factor.device)
+        self._clip_factor.copy_(factor)
+        with record_function("owner.speculate_all"):
+            self._launch(None, None, self._all_members, grad_factor=self._clip_factor)
+        self._carried = True
 
     def join_newton_schulz(self) -> None:
         """Order everything after this on the step's stream behind the speculative Newton–Schulz."""
@@ -270,10 +303,12 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
             raise ValueError(f"non-finite gradient norm ({norm}): a NaN or Inf gradient reached the optimizer, first in "
                              f"{_first_non_finite(model_chunks)}; no optimizer state was changed. Lower the learning "
                              "rate or skip this batch (megatron's check_for_nan_in_grad stops at the source).")
-        valid = clip <= 0.0 or clip / (norm + 1.0e-6) >= 1.0
-        if not valid:  # megatron may clip (write the gradients) next; unclipped, the step joins the side stream
+        unclipped = clip <= 0.0 or clip / (norm + 1.0e-6) >= 1.0 + 1.0e-5  # the margin covers fp32 rounding
+        valid = unclipped or self._carried
+        if not unclipped:  # megatron's clip writes the gradients next, which the side stream may still read
             self.join_newton_schulz()
         self._last_step_clipped = not valid
+        self._carried = False
         for engine in self.engines:
             engine.speculation_valid = valid
 
@@ -320,14 +355,78 @@ def _load_fully_reshardable(distributed_optimizer, param_state) -> None:
                         target.data.copy_(value.flatten()[span.start : span.end])
 
 
+class _SquaredNorm(NamedTuple):
+    squares: torch.Tensor  # the sum of the chained optimizers' squared norms, on the device
+
+
 class OwnerMuonChain(ChainedOptimizer):
     """megatron's ChainedOptimizer of [OwnerMuonOptimizer, DistributedOptimizer(AdamW)] that shows the global
-    gradient norm to the Muon engines before it clips."""
+    gradient norm to the Muon engines before it clips, and under clipping computes it before the step so that
+    `backward_end` speculation carries the clip factor (module docstring)."""
+
+    _early_norm = None  # this step's norm, computed in prepare_grads for get_grad_norm to return
+
+    def _clip_carriers(self) -> list[OwnerMuonOptimizer]:
+        """The owners whose speculation can take the clip factor this step: `backward_end` with clipping, every
+        norm megatron combines a device tensor (so computing them early does not block the host) and one norm for
+        every parameter."""
+        from megatron.core.optimizer import clip_grads
+        from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
+
+        owners = [child for child in self.chained_optimizers if isinstance(child, OwnerMuonOptimizer)
+                  and child.newton_schulz_start == "backward_end" and child.config.clip_grad > 0.0]
+        if not owners or clip_grads.multi_tensor_scale_tensor_impl is None:
+            return []
+        if any(self.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS):
+            return []  # those parameters clip with their own norm
+        return owners
+
+    def _norm_and_clip_factor(self, clip: float):
+        """(what megatron's get_grad_norm returns, or the squared norm it takes the root of on the host; the clip
+        factor as a one-element fp32 device tensor), by megatron's own arithmetic, nothing read on the host; None
+        where some norm is not a device tensor."""
+        if len(self.chained_optimizers) == 1 or self.grads_states_parallel_group_is_shared():
+            norm = super().get_grad_norm()  # one device norm, clipped with as a tensor
+            return (norm, clip_factor(clip, norm)) if isinstance(norm, torch.Tensor) else None
+        norms = [child.get_grad_norm() for child in self.chained_optimizers]
+        if not all(isinstance(norm, torch.Tensor) for norm in norms):
+            return None
+        squares = 0  # megatron: math.sqrt(sum(norm**2 ...)) in double on the host, then clips by a Python float
+        for norm in norms:
+            squares = squares + norm**2
+        total = squares.double().sqrt()
+        coefficient = torch.full_like(total, clip) / (total + 1.0e-6)  # a true division, as Python's
+        factor = torch.where(coefficient < 1.0, coefficient, 1.0).float().reshape(1)
+        return _SquaredNorm(squares), factor
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        self._early_norm = None
+        carriers = self._clip_carriers()
+        for owner in carriers:
+            owner.clip_factor_from_chain = True
+        try:
+            found_inf = super().prepare_grads()
+        finally:
+            for owner in carriers:
+                owner.clip_factor_from_chain = False
+        if carriers and not found_inf:
+            with record_function("owner.grad_norm"):
+                early = self._norm_and_clip_factor(carriers[0].config.clip_grad)
+            if early is not None:
+                self._early_norm = early[0]
+            for owner in carriers:
+                owner.speculate_clipped(None if early is None else early[1])
+        return found_inf
 
     @torch.no_grad()
     def get_grad_norm(self):
-        with record_function("owner.grad_norm"):
-            norm = super().get_grad_norm()
+        norm, self._early_norm = self._early_norm, None
+        if isinstance(norm, _SquaredNorm):
+            norm = math.sqrt(float(norm.squares))
+        elif norm is None:
+            with record_function("owner.grad_norm"):
+                norm = super().get_grad_norm()
         for child in self.chained_optimizers:
             if isinstance(child, OwnerMuonOptimizer):
                 child.allow_speculation(norm, self.model_chunks)

@@ -60,11 +60,13 @@ class WaveMuon(Muon):
 
     @torch.no_grad()
     def speculate(self, wave: int | None, grad_of: Callable[[torch.Tensor], torch.Tensor],
-                  graphed: bool = False) -> int:
+                  graphed: bool = False, grad_factor: torch.Tensor | None = None) -> int:
         """Orthogonalize the momentum updates of `wave` from the gradients `grad_of(param)`; returns the number of
         buckets prepared. `wave=None` takes every parameter at once, one batch per shape (all gradients final).
         Reads the momentum buffers and parameters, writes nothing. `graphed` replays the wave from a CUDA graph when
-        its inputs are the tensors of an earlier call (`SpeculationGraphs`); same results."""
+        its inputs are the tensors of an earlier call (`SpeculationGraphs`); same results. `grad_factor` (a
+        one-element fp32 tensor: the step's clip factor, known before megatron applies it) multiplies each
+        gradient as megatron's clip will, so the speculation holds for a clipped step too."""
         params, group_of = self._all_params()
         if not params:
             return 0
@@ -81,7 +83,7 @@ class WaveMuon(Muon):
             prepared = {}
             for bucket_index, bucket in buckets:
                 with record_function(f"muon.speculate {bucket.shape}"):
-                    stacked = self._speculative_stack(bucket, plan, grads)
+                    stacked = self._speculative_stack(bucket, plan, grads, grad_factor)
                     ortho, full_shape = self._orthogonalize_bucket(bucket, stacked,
                                                                    narrow_result=self._narrow(bucket, plan))
                 pointers = tuple(sorted((index, grads[index].data_ptr()) for index, _ in bucket.items))
@@ -90,8 +92,8 @@ class WaveMuon(Muon):
             return prepared, matrices  # counted once per call below, replayed or not
 
         if graphed and buckets and self.graphs.disabled is None and self._graphable(plan, buckets, grads):
-            prepared, matrices = self.graphs.run(-1 if wave is None else wave, self._graph_key(plan, buckets, grads),
-                                                 eager)
+            key = (self._graph_key(plan, buckets, grads), None if grad_factor is None else grad_factor.data_ptr())
+            prepared, matrices = self.graphs.run(-1 if wave is None else wave, key, eager)
         else:
             prepared, matrices = eager()
         self.orthogonalized_matrices += matrices
@@ -115,17 +117,21 @@ class WaveMuon(Muon):
         shape = tuple((bucket_index, bucket.shape, tuple(bucket.items)) for bucket_index, bucket in buckets)
         return shape, tensors, settings, self.compute_dtype
 
-    def _speculative_stack(self, bucket: Bucket, plan: Plan, grads: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _speculative_stack(self, bucket: Bucket, plan: Plan, grads: dict[int, torch.Tensor],
+                           grad_factor: torch.Tensor | None = None) -> torch.Tensor:
         """`_stack_updates` with the momentum EMA kept out of the buffers: the same rounding as the step's EMA
-        (buffer.lerp_(grad, 1 - β)) followed by its Nesterov blend. On the GPU one pass per run of pieces reads
-        gradient and buffer and writes only the slot; elsewhere the EMA goes to a temporary."""
+        (buffer.lerp_(grad, 1 - β)) followed by its Nesterov blend, on the gradient times `grad_factor` (rounded to
+        its dtype, as megatron's in-place clip stores it) where one is given. On the GPU one pass per run of pieces
+        reads gradient and buffer and writes only the slot; elsewhere the EMA goes to a temporary."""
+        factor = None if grad_factor is None else grad_factor.reshape(())
         pieces = []
         for index, piece_index in bucket.items:
             group_index = plan.group_of[index]
             group = self.param_groups[group_index]
             grad = grads[index]
-            if group["weight_decay_mode"] == "l2":
-                grad = muon_math.l2_regularized([grad], [plan.params[index]], group["weight_decay"])[0]
+            if group["weight_decay_mode"] == "l2":  # as megatron: clipped before l2 is added
+                clipped = grad if factor is None else grad * factor
+                grad = muon_math.l2_regularized([clipped], [plan.params[index]], group["weight_decay"])[0]
             layout = plan.layouts[index]
             buffer = self._momentum_buffer(plan.params[index])
             pieces.append((group_index, piece_views(grad, layout)[piece_index],
@@ -137,15 +143,21 @@ class WaveMuon(Muon):
         for group_index, grad, buffer in pieces:
             slotted.append((group_index, grad, buffer, stacked[offset : offset + grad.shape[0]].view(grad.shape)))
             offset += grad.shape[0]
+        def unclipped(group_index: int) -> bool:  # the factor is in the gradient already, or there is none
+            return factor is None or self.param_groups[group_index]["weight_decay_mode"] == "l2"
+
         if fused_passes.use_fused(self.fused_elementwise, stacked.device):
             for group_index, run in fused_pieces.runs_by_group(slotted):
                 options = {key: self.param_groups[group_index][key] for key in ("momentum", "nesterov")}
+                options["grad_factor"] = None if unclipped(group_index) else grad_factor
                 if not fused_pieces.momentum_into_slots_(*zip(*run), **options, store_buffer=False):
                     for grad, buffer, slot in run:
                         fused_passes.momentum_into_slot_(grad, buffer, slot, **options, store_buffer=False)
             return stacked
         for group_index, grad, buffer, slot in slotted:
             group = self.param_groups[group_index]
+            if not unclipped(group_index):
+                grad = grad * factor
             ema = torch.lerp(buffer, grad.to(buffer.dtype), 1.0 - group["momentum"])
             muon_math.nesterov_into_(grad, ema, slot, group["momentum"], group["nesterov"])
         return stacked

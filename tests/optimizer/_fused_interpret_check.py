@@ -156,6 +156,36 @@ def check_wave_speculation(generator, steps: int = 3) -> None:
         check(all(torch.equal(a, b) for a, b in zip(params, plain)), f"wave speculation {key}: parameters differ")
 
 
+def check_clipped_wave_speculation(generator, steps: int = 3) -> None:
+    """A speculation given the clip factor (the owner engine's `backward_end` under clipping) and then megatron's
+    clip (grad *= factor in place, after the speculation read the gradients) equals the plain fused step on the
+    clipped gradients bit for bit, fused and on the torch path, with decoupled and with l2 weight decay."""
+    factor = torch.tensor([0.37])
+    for mode in ("decoupled", "l2"):
+        seed = int(torch.randint(1 << 30, (1,), generator=generator))
+        results = {}
+        for speculate, fused in ((False, True), (True, True), (True, False)):
+            params = muon_params(torch.Generator().manual_seed(seed), torch.float32)
+            engine = WaveMuon(params, lr=0.02, weight_decay=0.1, weight_decay_mode=mode, fused_elementwise=fused)
+            grads = torch.Generator().manual_seed(seed + 1)
+            for _ in range(steps):
+                for param in params:
+                    param.grad = torch.randn(param.shape, generator=grads) * 1e-2
+                if speculate:
+                    engine.speculate(None, lambda p: p.grad, grad_factor=factor)
+                    engine.speculation_valid = True
+                for param in params:
+                    param.grad.mul_(factor.reshape(()))
+                engine.step()
+            results[speculate, fused] = (params, engine)
+        plain = results[False, True][0]
+        for key in ((True, True), (True, False)):
+            params, engine = results[key]
+            case = f"clipped wave speculation {mode} {key}"
+            check(engine.speculation_used > 0 and engine.speculation_discarded == 0, f"{case}: speculation not used")
+            check(all(torch.equal(a, b) for a, b in zip(params, plain)), f"{case}: parameters differ")
+
+
 def check_model_copies(generator) -> None:
     """With a 16-bit model copy, decay+update also writes the new target rounded as torch's copy_ rounds, per piece
     and in one launch; the update itself is the one without a copy, and the rest of the copy's tensor is untouched."""
@@ -329,6 +359,7 @@ def main() -> None:
     check_muon_takes_one_launch_per_bucket()
     check_speculative_slots(torch.Generator().manual_seed(3))
     check_wave_speculation(torch.Generator().manual_seed(4))
+    check_clipped_wave_speculation(torch.Generator().manual_seed(14))
     if FAILURES:
         print("\n".join(FAILURES))
         sys.exit(1)
