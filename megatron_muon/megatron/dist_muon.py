@@ -16,7 +16,8 @@ from collections import defaultdict
 import torch
 
 from megatron_muon.megatron.owner_layout import TAG, tag_fused_projections
-from megatron_muon.megatron.owner_optimizer import DEFAULT_NEWTON_SCHULZ_START, OwnerMuonChain, OwnerMuonOptimizer
+from megatron_muon.megatron.owner_chain import OwnerMuonChain
+from megatron_muon.megatron.owner_optimizer import DEFAULT_NEWTON_SCHULZ_START, OwnerMuonOptimizer
 from megatron_muon.optimizer.wave_muon import WaveMuon
 
 _WRAP_HINT = ("wrap the model the way Megatron-LM does for `--optimizer muon --use-distributed-optimizer`: tag the "

@@ -26,17 +26,15 @@ after such a clipped step the next one waits for its clip factor instead of spec
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 from megatron.core.optimizer.layer_wise_optimizer import (
     LayerWiseDistributedOptimizer,
     _bucket_is_managed_by_layer_wise_optimizer,
 )
-from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+from megatron.core.optimizer.optimizer import FP32Optimizer
 from torch.profiler import record_function
 
-from megatron_muon.megatron.clip_deferral import clip_factor
 from megatron_muon.optimizer.wave_muon import WaveMuon
 
 NEWTON_SCHULZ_STARTS = ("bucket", "backward_end", "step")  # where each owner starts its Newton–Schulz
@@ -329,129 +327,3 @@ def _first_non_finite(model_chunks) -> str:
         found = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(found, local)
     return next((f for f in found if f), "a parameter whose gradient was not kept")
-
-
-def _load_fully_reshardable(distributed_optimizer, param_state) -> None:
-    """megatron's `load_parameter_state_from_fully_reshardable`, minus its per-parameter `step` lookup: with torch's
-    Adam (no TE / Apex) megatron-core 0.19 puts a `step` tensor into every parameter's state and then expects one in
-    the checkpoint, which never holds it (KeyError 'step'). The step count comes back through the param groups."""
-    from collections import ChainMap
-
-    index = -1
-    for buffer_index, range_maps in enumerate(distributed_optimizer.gbuf_ranges):
-        for range_maps_per_bucket in range_maps.values():
-            ranges = ChainMap(*(range_map["param_map"] for range_map in range_maps_per_bucket))
-            for model_param in distributed_optimizer.buffers[buffer_index].param_index_map:
-                index += 1
-                if model_param not in ranges:
-                    continue
-                span = ranges[model_param]["param"]
-                group_index, group_order = distributed_optimizer.model_param_group_index_map[model_param]
-                main = distributed_optimizer.optimizer.param_groups[group_index]["params"][group_order]
-                state = distributed_optimizer.optimizer.state[main]
-                for key, value in param_state[index].items():
-                    if key != "step":
-                        target = main if key in ("param", "fp32_param") else state[key]
-                        target.data.copy_(value.flatten()[span.start : span.end])
-
-
-class _SquaredNorm(NamedTuple):
-    squares: torch.Tensor  # the sum of the chained optimizers' squared norms, on the device
-
-
-class OwnerMuonChain(ChainedOptimizer):
-    """megatron's ChainedOptimizer of [OwnerMuonOptimizer, DistributedOptimizer(AdamW)] that shows the global
-    gradient norm to the Muon engines before it clips, and under clipping computes it before the step so that
-    `backward_end` speculation carries the clip factor (module docstring)."""
-
-    _early_norm = None  # this step's norm, computed in prepare_grads for get_grad_norm to return
-
-    def _clip_carriers(self) -> list[OwnerMuonOptimizer]:
-        """The owners whose speculation can take the clip factor this step: `backward_end` with clipping, every
-        norm megatron combines a device tensor (so computing them early does not block the host) and one norm for
-        every parameter."""
-        from megatron.core.optimizer import clip_grads
-        from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
-
-        owners = [child for child in self.chained_optimizers if isinstance(child, OwnerMuonOptimizer)
-                  and child.newton_schulz_start == "backward_end" and child.config.clip_grad > 0.0]
-        if not owners or clip_grads.multi_tensor_scale_tensor_impl is None:
-            return []
-        if any(self.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS):
-            return []  # those parameters clip with their own norm
-        return owners
-
-    def _norm_and_clip_factor(self, clip: float):
-        """(what megatron's get_grad_norm returns, or the squared norm it takes the root of on the host; the clip
-        factor as a one-element fp32 device tensor), by megatron's own arithmetic, nothing read on the host; None
-        where some norm is not a device tensor."""
-        if len(self.chained_optimizers) == 1 or self.grads_states_parallel_group_is_shared():
-            norm = super().get_grad_norm()  # one device norm, clipped with as a tensor
-            return (norm, clip_factor(clip, norm)) if isinstance(norm, torch.Tensor) else None
-        norms = [child.get_grad_norm() for child in self.chained_optimizers]
-        if not all(isinstance(norm, torch.Tensor) for norm in norms):
-            return None
-        squares = 0  # megatron: math.sqrt(sum(norm**2 ...)) in double on the host, then clips by a Python float
-        for norm in norms:
-            squares = squares + norm**2
-        total = squares.double().sqrt()
-        coefficient = torch.full_like(total, clip) / (total + 1.0e-6)  # a true division, as Python's
-        factor = torch.where(coefficient < 1.0, coefficient, 1.0).float().reshape(1)
-        return _SquaredNorm(squares), factor
-
-    @torch.no_grad()
-    def prepare_grads(self) -> bool:
-        self._early_norm = None
-        carriers = self._clip_carriers()
-        for owner in carriers:
-            owner.clip_factor_from_chain = True
-        try:
-            found_inf = super().prepare_grads()
-        finally:
-            for owner in carriers:
-                owner.clip_factor_from_chain = False
-        if carriers and not found_inf:
-            with record_function("owner.grad_norm"):
-                early = self._norm_and_clip_factor(carriers[0].config.clip_grad)
-            if early is not None:
-                self._early_norm = early[0]
-            for owner in carriers:
-                owner.speculate_clipped(None if early is None else early[1])
-        return found_inf
-
-    @torch.no_grad()
-    def get_grad_norm(self):
-        norm, self._early_norm = self._early_norm, None
-        if isinstance(norm, _SquaredNorm):
-            norm = math.sqrt(float(norm.squares))
-        elif norm is None:
-            with record_function("owner.grad_norm"):
-                norm = super().get_grad_norm()
-        for child in self.chained_optimizers:
-            if isinstance(child, OwnerMuonOptimizer):
-                child.allow_speculation(norm, self.model_chunks)
-        return norm
-
-    @torch.no_grad()
-    def step_with_ready_grads(self) -> bool:
-        """megatron's chained step with the owner engines last: the AdamW step runs on the step's stream while the
-        owners' Newton–Schulz still finishes on the side stream."""
-        if self.config.overlap_param_gather_with_optimizer_step or self._should_defer_mxfp8_param_sync():
-            return super().step_with_ready_grads()
-        success = True
-        for optimizer in sorted(self.chained_optimizers, key=lambda o: isinstance(o, OwnerMuonOptimizer)):
-            success &= optimizer.step_with_ready_grads()
-        return success
-
-    def load_state_dict(self, state_dict):
-        from megatron.core.optimizer import distrib_optimizer
-
-        states = [state_dict] if len(self.chained_optimizers) == 1 else [v for _, v in sorted(state_dict.items())]
-        deferred = []
-        for child, state in zip(self.chained_optimizers, states):
-            if isinstance(child, distrib_optimizer.DistributedOptimizer) and not distrib_optimizer.HAVE_APEX_OR_TE \
-                    and state.get("param_state_sharding_type") == "fully_reshardable" and "param_state" in state:
-                deferred.append((child, state.pop("param_state")))
-        super().load_state_dict(state_dict)
-        for child, param_state in deferred:
-            _load_fully_reshardable(child, param_state)
