@@ -1,6 +1,7 @@
 """dist_sim_step's tracing on CPU (one process playing one rank of two): the per-tensor digests after each backward
 and step are taken, two variants of one optimizer compare equal at every point, and `first_difference` names the
-first step, phase and tensors where two runs part, and the first non-finite tensor."""
+first step, phase and tensors where two runs part, and the first non-finite tensor; a variant with another
+Newton–Schulz schedule trains to other parameters and is compared with none of them."""
 
 import json
 import os
@@ -38,14 +39,15 @@ def test_first_difference_names_the_step_phase_and_tensors():
 def test_traced_cpu_run_digests_every_phase(tmp_path):
     out = tmp_path / "trace.md"
     command = [sys.executable, str(REPO / "benchmarks" / "dist_sim_step.py"), "--cpu", "--recipe", "tiny-cpu",
-               "--world", "2", "--variants", "ours,ours-after", "--steps", "2", "--warmup", "1", "--trace",
+               "--world", "2", "--variants", "ours,ours-after,ours-end-pe4", "--steps", "2", "--warmup", "1", "--trace",
                "--digest", "--out", str(out), "--data-dir", str(tmp_path / "data")]
     environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [row["variant"] for row in rows] == ["ours", "ours-after"] and all("error" not in row for row in rows)
+    assert [row["variant"] for row in rows] == ["ours", "ours-after", "ours-end-pe4"]
+    assert all("error" not in row for row in rows)
     trace = rows[0]["trace"]
     assert [(point["step"], point["stage"]) for point in trace] == [(0, "backward"), (0, "step"), (1, "backward"),
                                                                      (1, "step")]
@@ -54,3 +56,5 @@ def test_traced_cpu_run_digests_every_phase(tmp_path):
     assert trace[0]["grads"] != trace[2]["grads"]  # digests of different gradients differ
     assert rows[0]["param_digest"] == rows[1]["param_digest"] and rows[0]["losses"] == rows[1]["losses"]
     assert "run 2 (ours-after) against run 1 (ours), W = 2: identical at every traced point" in out.read_text()
+    # the 4-step schedule is another computation: its own parameters, and no comparison with the 5-step runs
+    assert rows[2]["param_digest"] != rows[0]["param_digest"] and "run 3 (ours-end-pe4) against" not in out.read_text()
