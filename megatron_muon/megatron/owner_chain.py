@@ -42,13 +42,13 @@ class OwnerMuonChain(ChainedOptimizer):
             return []  # those parameters clip with their own norm
         return owners
 
-    def _norm_and_clip_factor(self, clip: float):
+    def _norm_and_clip_factor(self):
         """(what megatron's get_grad_norm returns, or the squared norm it takes the root of on the host; the clip
-        factor as a one-element fp32 device tensor), by megatron's own arithmetic, nothing read on the host; None
-        where some norm is not a device tensor."""
+        factor for a given clip_grad, a one-element fp32 device tensor), by megatron's own arithmetic, nothing read
+        on the host; None where some norm is not a device tensor."""
         if len(self.chained_optimizers) == 1 or self.grads_states_parallel_group_is_shared():
             norm = super().get_grad_norm()  # one device norm, clipped with as a tensor
-            return (norm, clip_factor(clip, norm)) if isinstance(norm, torch.Tensor) else None
+            return (norm, lambda clip: clip_factor(clip, norm)) if isinstance(norm, torch.Tensor) else None
         norms = [child.get_grad_norm() for child in self.chained_optimizers]
         if not all(isinstance(norm, torch.Tensor) for norm in norms):
             return None
@@ -56,8 +56,11 @@ class OwnerMuonChain(ChainedOptimizer):
         for norm in norms:
             squares = squares + norm**2
         total = squares.double().sqrt()
-        coefficient = torch.full_like(total, clip) / (total + 1.0e-6)  # a true division, as Python's
-        factor = torch.where(coefficient < 1.0, coefficient, 1.0).float().reshape(1)
+
+        def factor(clip: float) -> torch.Tensor:
+            coefficient = torch.full_like(total, clip) / (total + 1.0e-6)  # a true division, as Python's
+            return torch.where(coefficient < 1.0, coefficient, 1.0).float().reshape(1)
+
         return _SquaredNorm(squares), factor
 
     @torch.no_grad()
@@ -73,11 +76,11 @@ class OwnerMuonChain(ChainedOptimizer):
                 owner.clip_factor_from_chain = False
         if carriers and not found_inf:
             with record_function("owner.grad_norm"):
-                early = self._norm_and_clip_factor(carriers[0].config.clip_grad)
+                early = self._norm_and_clip_factor()
             if early is not None:
                 self._early_norm = early[0]
-            for owner in carriers:
-                owner.speculate_clipped(None if early is None else early[1])
+            for owner in carriers:  # each with the clip megatron applies to its parameters (its own config's)
+                owner.speculate_clipped(None if early is None else early[1](owner.config.clip_grad))
         return found_inf
 
     @torch.no_grad()
