@@ -105,6 +105,40 @@ def test_every_newton_schulz_start_trains_to_the_steps_parameters_bit_for_bit(ra
             assert max_relative_error(step["params"], result[start]["params"])[1] == 0.0, start
 
 
+def _clipped_starts(rank, world_size, tp, pp, model):
+    """`backward_end` (speculation carrying the clip factor) against `step` under a clip that fires every step."""
+    from megatron_muon.testing.training import full_parameters
+
+    runs = {}
+    with one_thread():
+        for start in ("backward_end", "step"):
+            built, optimizer = build(tp, pp, "dist_muon", "fp32", model, clip_grad=1e-3, ddp_overrides=OVERLAP)
+            owner = owner_optimizers(optimizer)[0]
+            owner.newton_schulz_start = start
+            losses, used = [], []  # used: buckets taken from the speculation, after each step
+            for step in range(3):
+                losses.append(train_step(built, optimizer, step))
+                used.append(sum(e.speculation_used for e in owner.engines))
+            runs[start] = {"losses": losses, "params": full_parameters(built), "used": used,
+                           "owned": sum(p.numel() for e in owner.engines for g in e.param_groups for p in g["params"]),
+                           "discarded": sum(e.speculation_discarded for e in owner.engines)}
+    return runs
+
+
+@pytest.mark.parametrize("tp,pp,model", [(2, 1, "gpt"), (1, 2, "gpt"), (1, 1, "hybrid"), (2, 1, "hybrid")])
+def test_clipped_steps_use_their_speculation_on_every_layout(rank_pool_4, tp, pp, model):
+    """Under clipping the backward-end speculation takes the step's clip factor in: used on every step, never
+    discarded, and the parameters are the `step` start's bit for bit, with tensor and pipeline parallelism."""
+    from megatron_muon.testing.training import max_relative_error
+
+    for result in rank_pool_4.run(_clipped_starts, tp, pp, model):
+        ahead, step = result["backward_end"], result["step"]
+        assert ahead["discarded"] == 0 and ahead["owned"] > 0
+        assert all(now > before for before, now in zip([0, *ahead["used"]], ahead["used"])), ahead["used"]
+        assert ahead["losses"] == step["losses"]
+        assert max_relative_error(step["params"], ahead["params"])[1] == 0.0
+
+
 def test_an_unknown_newton_schulz_start_names_the_choices():
     from megatron_muon.megatron.owner_optimizer import OwnerMuonOptimizer
 
