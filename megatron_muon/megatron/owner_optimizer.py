@@ -189,10 +189,11 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        """With `backward_end`, queue every owned matrix's Newton–Schulz here, before the host blocks on the norm.
-        The step's stream does not wait for the side stream: the gradient norm only reads the gradients, so the host
-        can read it while Newton–Schulz still runs, and queue the step behind it (`join_newton_schulz`, before
-        anything writes a gradient, a buffer or a parameter)."""
+        """With `backward_end`, queue every owned matrix's Newton–Schulz here, before the host blocks on the norm
+        (under clipping the chain queues it right after, with the clip factor: `speculate_clipped`). The step's
+        stream does not wait for the side stream: the gradient norm only reads the gradients, so the host can read
+        it while Newton–Schulz still runs, and queue the step behind it (`join_newton_schulz`, before anything writes
+        a gradient, a buffer or a parameter)."""
         self._started.clear()
         self._carried = False
         with record_function("owner.prepare_grads"):
