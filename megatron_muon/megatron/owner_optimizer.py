@@ -35,6 +35,7 @@ from megatron.core.optimizer.layer_wise_optimizer import (
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from torch.profiler import record_function
 
+from megatron_muon.optimizer.speculation_graphs import static_factor
 from megatron_muon.optimizer.wave_muon import WaveMuon
 
 NEWTON_SCHULZ_STARTS = ("bucket", "backward_end", "step")  # where each owner starts its Newton–Schulz
@@ -198,11 +199,15 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         self._carried = False
         with record_function("owner.prepare_grads"):
             found_inf = super().prepare_grads()
-        if self._newton_schulz_start == "backward_end" and not self._last_step_clipped and not found_inf \
-                and not self.clip_factor_from_chain:
+        if self._newton_schulz_start == "backward_end" and not found_inf and not self.clip_factor_from_chain:
+            self._speculate_all_unclipped()
+        return found_inf
+
+    def _speculate_all_unclipped(self) -> None:
+        """Every owned matrix, on the gradients as they are (unless the last step clipped: then the step waits)."""
+        if not self._last_step_clipped:
             with record_function("owner.speculate_all"):
                 self._launch(None, None, self._all_members)
-        return found_inf
 
     @torch.no_grad()
     def speculate_clipped(self, factor: torch.Tensor | None) -> None:
@@ -210,13 +215,9 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         step's clip factor on the device (`OwnerMuonChain`); None: the factor is not known before the step, so the
         speculation assumes no clip, as without clipping."""
         if factor is None:
-            if not self._last_step_clipped:
-                with record_function("owner.speculate_all"):
-                    self._launch(None, None, self._all_members)
+            self._speculate_all_unclipped()
             return
-        if self._clip_factor is None or self._clip_factor.device != factor.device:
-            self._clip_factor = torch.empty(1, dtype=torch.float32, device=factor.device)
-        self._clip_factor.copy_(factor)
+        self._clip_factor = static_factor(self._clip_factor, factor)
         with record_function("owner.speculate_all"):
             self._launch(None, None, self._all_members, grad_factor=self._clip_factor)
         self._carried = True

@@ -16,6 +16,15 @@ from typing import Callable, Hashable
 import torch
 
 
+def static_factor(slot: torch.Tensor | None, factor: torch.Tensor) -> torch.Tensor:
+    """`factor` (one fp32 value) copied into `slot`, the one address captured graphs read it from; a new slot where
+    there is none yet or it lives on another device."""
+    if slot is None or slot.device != factor.device:
+        slot = torch.empty(1, dtype=torch.float32, device=factor.device)
+    slot.copy_(factor.reshape(1))
+    return slot
+
+
 class SpeculationGraphs:
     """Per wave: the inputs key of its last eager run, and its captured graph with the tensors the graph writes."""
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from megatron_muon.optimizer.speculation_graphs import SpeculationGraphs
+from megatron_muon.optimizer.speculation_graphs import SpeculationGraphs, static_factor
 
 
 class StepGraphs:
@@ -47,8 +47,5 @@ class StepGraphs:
     def run(self, optimizer, plan, sources, factor, compute: Callable[[torch.Tensor | None], object]) -> object:
         """`compute(factor)`'s result, from the graph when one of the same key exists."""
         if factor is not None:
-            if self._factor is None or self._factor.device != factor.device:
-                self._factor = torch.empty(1, dtype=torch.float32, device=factor.device)
-            self._factor.copy_(factor.reshape(1))
-            factor = self._factor
+            factor = self._factor = static_factor(self._factor, factor)
         return self.graphs.run(0, self.key(optimizer, plan, sources, factor), lambda: compute(factor))

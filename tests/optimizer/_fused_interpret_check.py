@@ -156,27 +156,35 @@ def check_wave_speculation(generator, steps: int = 3) -> None:
         check(all(torch.equal(a, b) for a, b in zip(params, plain)), f"wave speculation {key}: parameters differ")
 
 
-def check_clipped_wave_speculation(generator, steps: int = 3) -> None:
-    """A speculation given the clip factor (the owner engine's `backward_end` under clipping) and then megatron's
-    clip (grad *= factor in place, after the speculation read the gradients) equals the plain fused step on the
-    clipped gradients bit for bit, fused and on the torch path, with decoupled and with l2 weight decay."""
+def clipped_wave_run(params, next_grad, factor, mode: str, speculate: bool, fused: bool, steps: int = 3):
+    """WaveMuon over `params` for `steps` steps on gradients `next_grad(param)`, each clipped in place by `factor`
+    as megatron's clip does; with `speculate`, the speculation is given the factor first (the owner engine's
+    `backward_end` under clipping) and reads the gradients before the clip. Returns the engine."""
+    engine = WaveMuon(params, lr=0.02, weight_decay=0.1, weight_decay_mode=mode, fused_elementwise=fused)
+    for _ in range(steps):
+        for param in params:
+            param.grad = next_grad(param)
+        if speculate:
+            engine.speculate(None, lambda p: p.grad, grad_factor=factor)
+            engine.speculation_valid = True
+        for param in params:
+            param.grad.mul_(factor.reshape(()))
+        engine.step()
+    return engine
+
+
+def check_clipped_wave_speculation(generator) -> None:
+    """The speculation given the clip factor, then megatron's clip, equals the plain fused step on the clipped
+    gradients bit for bit, fused and on the torch path, with decoupled and with l2 weight decay."""
     factor = torch.tensor([0.37])
     for mode in ("decoupled", "l2"):
         seed = int(torch.randint(1 << 30, (1,), generator=generator))
         results = {}
         for speculate, fused in ((False, True), (True, True), (True, False)):
             params = muon_params(torch.Generator().manual_seed(seed), torch.float32)
-            engine = WaveMuon(params, lr=0.02, weight_decay=0.1, weight_decay_mode=mode, fused_elementwise=fused)
             grads = torch.Generator().manual_seed(seed + 1)
-            for _ in range(steps):
-                for param in params:
-                    param.grad = torch.randn(param.shape, generator=grads) * 1e-2
-                if speculate:
-                    engine.speculate(None, lambda p: p.grad, grad_factor=factor)
-                    engine.speculation_valid = True
-                for param in params:
-                    param.grad.mul_(factor.reshape(()))
-                engine.step()
+            engine = clipped_wave_run(params, lambda p: torch.randn(p.shape, generator=grads) * 1e-2, factor, mode,
+                                      speculate, fused)
             results[speculate, fused] = (params, engine)
         plain = results[False, True][0]
         for key in ((True, True), (True, False)):

@@ -118,7 +118,7 @@ def test_muon_fused_equals_torch_path_on_gpu(momentum_dtype, weight_decay_mode):
 def test_clipped_speculation_equals_the_clipped_step_on_gpu(weight_decay_mode):
     """The owner engine's backward-end speculation under clipping (`WaveMuon.speculate(grad_factor=...)`), then
     megatron's in-place clip: the compiled kernels give the plain fused step on the clipped gradients bit for bit."""
-    from megatron_muon.optimizer.wave_muon import WaveMuon
+    from tests.optimizer._fused_interpret_check import clipped_wave_run
 
     factor = torch.tensor([0.37], device="cuda")
     results = []
@@ -126,17 +126,8 @@ def test_clipped_speculation_equals_the_clipped_step_on_gpu(weight_decay_mode):
         generator = torch.Generator(device="cuda").manual_seed(5)
         params = [torch.nn.Parameter(torch.randn(shape, device="cuda", generator=generator) * 0.02)
                   for shape in ((1154, 256), (256, 512), (256, 512))]
-        engine = WaveMuon(params, lr=0.02, weight_decay=0.1, weight_decay_mode=weight_decay_mode,
-                          fused_elementwise=True)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, device="cuda", generator=generator) * 1e-3
-            if speculate:
-                engine.speculate(None, lambda p: p.grad, grad_factor=factor)
-                engine.speculation_valid = True
-            for p in params:
-                p.grad.mul_(factor.reshape(()))
-            engine.step()
+        engine = clipped_wave_run(params, lambda p: torch.randn(p.shape, device="cuda", generator=generator) * 1e-3,
+                                  factor, weight_decay_mode, speculate, fused=True)
         results.append((params, engine))
     (plain, _), (ahead, engine) = results
     assert engine.speculation_used > 0 and engine.speculation_discarded == 0
