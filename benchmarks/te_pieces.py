@@ -84,7 +84,8 @@ def attention_cases(sizes, device, te: bool):
         os.environ.update(TE_FUSED_ATTENTION_ENV)  # what megatron's model exports for attention_backend=fused
         fused = piece_config(sizes, device)
         fused.attention_backend = AttnBackend.fused
-        theirs = TEFusedDotProductAttention(fused, layer_number=1, attn_mask_type=AttnMaskType.causal)
+        theirs = TEFusedDotProductAttention(fused, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                            attention_type="self")
         cases["TE: fused attention"] = fwd_bwd(theirs, inputs, grad_out)
     return cases
 
