@@ -114,11 +114,13 @@ if triton is not None:
         b_dq = b_dq * (tl.exp2(b_g) * scale)[:, None]
         b_dk = b_dk * tl.where(inside, tl.exp2(b_g_last - b_g), 0.0)[:, None]
         b_dg_last = tl.sum(b_state_dot) * tl.exp2(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32))
-        later = o_t[:, None] >= o_t[None, :]  # row i at or after column j
+        # row i at or after column j, both real tokens: a padding row of a partial last chunk reads gate 0, and its
+        # gap to a real token's gate (below -128 under strong decay) would overflow exp2 and turn 0 * inf into NaN
+        later = (o_t[:, None] >= o_t[None, :]) & inside[:, None]
         gaps = tl.where(later, b_g[:, None] - b_g[None, :], 0.0)
         b_ds = tl.where(later, b_ds * tl.exp2(gaps), 0.0) * scale
         # b_ds_t[j, i] = ds[i, j]: the same gates on the transposed mask
-        earlier = o_t[:, None] <= o_t[None, :]
+        earlier = (o_t[:, None] <= o_t[None, :]) & inside[None, :]
         gaps_t = tl.where(earlier, b_g[None, :] - b_g[:, None], 0.0)
         b_ds_t = tl.where(earlier, b_ds_t * tl.exp2(gaps_t), 0.0) * scale
         b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq)
