@@ -32,7 +32,9 @@ class SpeculationGraphs:
         self.label = label  # what the graphs hold, for the warning when a capture fails
         self._last_eager: dict[int, Hashable] = {}
         self._graphs: dict[int, tuple[Hashable, torch.cuda.CUDAGraph, object]] = {}
-        self._pool = None  # one memory pool for all waves: they replay one after another on one stream
+        # one memory pool for all waves (they replay one after another on one stream), owned here: a pool borrowed
+        # from a captured graph dies with that graph's last reference, and capturing into a dead pool's id fails
+        self._pool: torch.cuda.MemPool | None = None
         self.captures = 0
         self.replays = 0
         self.disabled: str | None = None  # why graphs are off (a capture failed), None while they are on
@@ -50,11 +52,13 @@ class SpeculationGraphs:
             self._last_eager[wave] = key
             return speculate()
         graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.MemPool()
         stream = torch.cuda.current_stream()
         if stream == torch.cuda.default_stream():  # no capture on the default stream: torch's own capture stream
             stream = None
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool.id, stream=stream, capture_error_mode="thread_local"):
                 outputs = speculate()
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the exact eager path
             self.disabled = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -62,8 +66,6 @@ class SpeculationGraphs:
                           f"({self.disabled}); results stay exact", RuntimeWarning, stacklevel=2)
             self._graphs.clear()
             return speculate()
-        if self._pool is None:
-            self._pool = graph.pool()
         graph.replay()
         self._graphs[wave] = (key, graph, outputs)
         self.captures += 1
