@@ -1,6 +1,8 @@
 """Shared fixtures: one persistent gloo rank pool per world size (started once, reused by every test), and megatron's
 model-parallel state over this process's GPU for GPU tests that run in-process."""
 
+import os
+
 import pytest
 import torch
 
@@ -33,6 +35,18 @@ def rank_pool_2() -> RankPool:
 @pytest.fixture
 def rank_pool_4() -> RankPool:
     return _pool(4)
+
+
+@pytest.fixture(autouse=True)
+def _transformer_engine_attention_environment():
+    """Megatron's model build exports its attention backend to TE's NVTE_* variables for the whole process, and a
+    later build with another backend asserts on them; each test starts from the environment the session had."""
+    saved = {key: value for key, value in os.environ.items() if key.startswith("NVTE_")}
+    yield
+    for key in [key for key in os.environ if key.startswith("NVTE_")]:
+        if key not in saved:
+            del os.environ[key]
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -257,6 +257,8 @@ def test_on_the_gpu_the_pass_over_te_fused_adam_equals_its_step():
         assert ours.inner.param_groups[0]["step"] == te.param_groups[0]["step"] == 3
         for main, ref, model in zip(mains, reference, models):
             torch.testing.assert_close(main, ref, rtol=1e-5, atol=1e-6)
-            for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(ours.inner.state[main][key], te.state[ref][key], rtol=1e-5, atol=1e-9)
+            for key in ("exp_avg", "exp_avg_sq"):  # moments of order-1 gradients: TE's CUDA kernel and ours
+                # contract multiply-adds differently, which moves a value by an ulp of its operands (~6e-8), seen
+                # as 2.6e-8 on moments that cancel to near zero; a wrong formula errs by orders more
+                torch.testing.assert_close(ours.inner.state[main][key], te.state[ref][key], rtol=1e-5, atol=1e-7)
             assert torch.equal(model, main.bfloat16())
