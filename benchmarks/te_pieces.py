@@ -86,7 +86,10 @@ def attention_cases(sizes, device, te: bool):
         fused.attention_backend = AttnBackend.fused
         theirs = TEFusedDotProductAttention(fused, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                             attention_type="self")
-        cases["TE: fused attention"] = fwd_bwd(theirs, inputs, grad_out)
+        def call_theirs(*args):  # megatron's TE attention takes the mask type per call
+            return theirs(*args, attn_mask_type=AttnMaskType.causal)
+
+        cases["TE: fused attention"] = fwd_bwd(call_theirs, inputs, grad_out)
     return cases
 
 

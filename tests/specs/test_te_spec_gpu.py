@@ -35,9 +35,13 @@ def _config():
     )
 
 
-def _model(backend: str):
+def _model(backend: str, monkeypatch):
     from megatron_muon.specs import build_hybrid_model
 
+    # megatron's build exports its attention backend to TE's NVTE_*_ATTN for the process (TE reads them per call)
+    # and asserts on values another build left: each model is built from none, the TE one last
+    for key in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.delenv(key, raising=False)
     torch.manual_seed(0)
     return build_hybrid_model(_config(), "GGG*", vocab_size=VOCAB, max_seq_len=SEQ, backend=backend).cuda()
 
@@ -63,10 +67,10 @@ def _loss_and_grads(model, tokens):
     return loss.detach(), {key: param.grad for key, param in _params_by_key(model).items()}
 
 
-def test_te_spec_loss_and_every_gradient_equal_the_local_specs(single_gpu_model_parallel):
+def test_te_spec_loss_and_every_gradient_equal_the_local_specs(single_gpu_model_parallel, monkeypatch):
     from megatron_muon.layers.attention import attention_kernels_that_ran
 
-    local, te = _model("local"), _model("te")
+    local, te = _model("local", monkeypatch), _model("te", monkeypatch)
     local_params, te_params = _params_by_key(local), _params_by_key(te)
     assert set(local_params) == set(te_params), set(local_params) ^ set(te_params)
     assert len(te_params) == sum(1 for _ in te.parameters()), "every TE parameter has a checkpoint key"
