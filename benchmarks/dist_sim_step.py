@@ -51,10 +51,14 @@ VARIANTS = {  # label, optimizer, where Newton-Schulz starts (+ graphs), whether
                       True),
     "ours-end-pe4": ("owner engine (default start), Polar Express in 4 Newton-Schulz steps instead of the recipe's "
                      "schedule", "muon", "backward_end", False),
+    "ours-end-next": ("owner engine (default start), a non-finite norm reported by the next step: the host does not "
+                      "read the norm before the update", "muon", "backward_end", False),
 }
-# optimizer settings a variant changes over the recipe's (a different schedule: different results, not a speed-up
-# of the same computation; ns_schedule_training.md holds its training loss against the 5-step default)
-SCHEDULES = {"ours-end-pe4": {"muon_num_ns_steps": 4, "muon_coefficient_type": "polar_express"}}
+# optimizer settings a variant changes over the recipe's: a different schedule (different results, not a speed-up
+# of the same computation; ns_schedule_training.md holds its training loss against the 5-step default), or the
+# norm kept on the device (under clipping megatron's fp32 tensor clip instead of its host double: rounding apart)
+SCHEDULES = {"ours-end-pe4": {"muon_num_ns_steps": 4, "muon_coefficient_type": "polar_express"},
+             "ours-end-next": {"muon_nonfinite_check": "next_step"}}
 
 
 _MEGATRON_COLLECTIVES: dict = {}  # megatron's own bucket collectives while local copies stand in for them

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 
+from megatron_muon.megatron.nonfinite_check import DEFAULT_NONFINITE_CHECK
 from megatron_muon.megatron.owner_layout import TAG, tag_fused_projections
 from megatron_muon.megatron.owner_chain import OwnerMuonChain
 from megatron_muon.megatron.owner_optimizer import DEFAULT_NEWTON_SCHULZ_START, OwnerMuonOptimizer
@@ -114,7 +115,8 @@ def build_owner_muon(config, model_chunks, config_overrides, pg_collection):
     muon = OwnerMuonOptimizer([engine], config, pg_collection, [entry.init_state_fn], list(model_chunks),
                               newton_schulz_start=getattr(config, "muon_newton_schulz_start",
                                                           DEFAULT_NEWTON_SCHULZ_START),
-                              graph_newton_schulz=kwargs.get("graph_newton_schulz", False))
+                              graph_newton_schulz=kwargs.get("graph_newton_schulz", False),
+                              nonfinite_check=getattr(config, "muon_nonfinite_check", DEFAULT_NONFINITE_CHECK))
     chained = [muon]
     if other_groups:
         process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(

@@ -42,10 +42,23 @@ class OwnerMuonChain(ChainedOptimizer):
             return []  # those parameters clip with their own norm
         return owners
 
+    def _norm_on_device(self) -> bool:
+        """Whether the step's norm stays a device tensor: every owner reports a non-finite norm at the next step
+        (`nonfinite_check`), megatron can clip by a tensor norm, and one norm covers every parameter."""
+        from megatron.core.optimizer import clip_grads
+        from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
+
+        owners = [child for child in self.chained_optimizers if isinstance(child, OwnerMuonOptimizer)]
+        return bool(owners) and all(owner.nonfinite_check == "next_step" for owner in owners) \
+            and clip_grads.multi_tensor_scale_tensor_impl is not None \
+            and not any(self.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS)
+
     def _norm_and_clip_factor(self):
         """(what megatron's get_grad_norm returns, or the squared norm it takes the root of on the host; the clip
         factor for a given clip_grad, a one-element fp32 device tensor), by megatron's own arithmetic, nothing read
-        on the host; None where some norm is not a device tensor."""
+        on the host; None where some norm is not a device tensor. With the norm kept on the device
+        (`_norm_on_device`) the host's root becomes the same double root on the device, rounded to the norms'
+        dtype, and the clip that of megatron's tensor branch, as for a single device norm."""
         if len(self.chained_optimizers) == 1 or self.grads_states_parallel_group_is_shared():
             norm = super().get_grad_norm()  # one device norm, clipped with as a tensor
             return (norm, lambda clip: clip_factor(clip, norm)) if isinstance(norm, torch.Tensor) else None
@@ -55,6 +68,9 @@ class OwnerMuonChain(ChainedOptimizer):
         squares = 0  # megatron: math.sqrt(sum(norm**2 ...)) in double on the host, then clips by a Python float
         for norm in norms:
             squares = squares + norm**2
+        if self._norm_on_device():
+            rooted = squares.double().sqrt().to(squares.dtype)
+            return rooted, lambda clip: clip_factor(clip, rooted)
         total = squares.double().sqrt()
 
         def factor(clip: float) -> torch.Tensor:
@@ -86,6 +102,9 @@ class OwnerMuonChain(ChainedOptimizer):
     @torch.no_grad()
     def get_grad_norm(self):
         norm, self._early_norm = self._early_norm, None
+        if norm is None and self._norm_on_device():
+            early = self._norm_and_clip_factor()
+            norm = None if early is None else early[0]
         if isinstance(norm, _SquaredNorm):
             norm = math.sqrt(float(norm.squares))
         elif norm is None:

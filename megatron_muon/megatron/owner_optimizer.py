@@ -35,6 +35,12 @@ from megatron.core.optimizer.layer_wise_optimizer import (
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from torch.profiler import record_function
 
+from megatron_muon.megatron.nonfinite_check import (
+    DEFAULT_NONFINITE_CHECK,
+    PendingNorm,
+    check_nonfinite_choice,
+    raise_if_last_norm_was_non_finite,
+)
 from megatron_muon.optimizer.speculation_graphs import static_factor
 from megatron_muon.optimizer.wave_muon import WaveMuon
 
@@ -78,11 +84,16 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     Args beyond megatron's: `newton_schulz_start` (`NEWTON_SCHULZ_STARTS`, module docstring); `bucket` takes effect
     where DDP reduces buckets during the backward (`overlap_grad_reduce`). `graph_newton_schulz` replays each
     speculation from a CUDA graph once its inputs have repeated (`SpeculationGraphs`), so the CPU thread launches
-    one graph instead of its kernels."""
+    one graph instead of its kernels. `nonfinite_check` (`nonfinite_check.NONFINITE_CHECKS`): whether a non-finite
+    gradient norm stops the step before any update (`before_update`, a host read of the norm) or is reported by the
+    next step (`next_step`, no host read where the update does not depend on the norm)."""
 
     def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None,
-                 newton_schulz_start: str = DEFAULT_NEWTON_SCHULZ_START, graph_newton_schulz: bool = False):
+                 newton_schulz_start: str = DEFAULT_NEWTON_SCHULZ_START, graph_newton_schulz: bool = False,
+                 nonfinite_check: str = DEFAULT_NONFINITE_CHECK):
         _check_start(newton_schulz_start)
+        self.nonfinite_check = check_nonfinite_choice(nonfinite_check)
+        self._pending_norm: PendingNorm | None = None  # next_step: the last step's norm, read when this one starts
         if not config.bf16:  # megatron's layer-wise optimizer wraps bf16 only; fp32/fp64 get megatron's FP32 wrapper
             fns = init_state_fn_list or [None] * len(optimizers)
             optimizers = [FP32Optimizer(o, config, fn or (lambda *_: None)) for o, fn in zip(optimizers, fns)]
@@ -197,6 +208,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         a gradient, a buffer or a parameter)."""
         self._started.clear()
         self._carried = False
+        self.check_last_norm()
         with record_function("owner.prepare_grads"):
             found_inf = super().prepare_grads()
         if self._newton_schulz_start == "backward_end" and not found_inf and not self.clip_factor_from_chain:
@@ -221,6 +233,11 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         with record_function("owner.speculate_all"):
             self._launch(None, None, self._all_members, grad_factor=self._clip_factor)
         self._carried = True
+
+    def check_last_norm(self) -> None:
+        """`next_step`: raise if the last step's gradient norm was non-finite (`nonfinite_check`)."""
+        pending, self._pending_norm = self._pending_norm, None
+        raise_if_last_norm_was_non_finite(pending)
 
     def join_newton_schulz(self) -> None:
         """Order everything after this on the step's stream behind the speculative Newton–Schulz."""
@@ -262,6 +279,9 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         the main replica; the param groups' hyperparameters as common state."""
         from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
+        if not is_loading:
+            self.check_last_norm()  # a checkpoint of a step with a non-finite norm would be saved silently
+
         state, self._owned_keys = {}, {}
         for model_sh, momentum, master in self._owned_state(model_sharded_state_dict):
             self._owned_keys[model_sh.key] = (model_sh, momentum, master)
@@ -295,6 +315,10 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         """Called with the step's global gradient norm: the speculative updates hold iff nothing is clipped. A
         non-finite norm stops the step on every rank, before any state changes, naming a parameter."""
         clip = self.config.clip_grad
+        if self.nonfinite_check == "next_step" and isinstance(grad_norm, torch.Tensor) \
+                and (clip <= 0.0 or self._carried):
+            self._update_regardless_of_the_norm(grad_norm)
+            return
         norm = float(grad_norm)
         if not math.isfinite(norm):
             self.join_newton_schulz()
@@ -311,6 +335,17 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         self._carried = False
         for engine in self.engines:
             engine.speculation_valid = valid
+
+    def _update_regardless_of_the_norm(self, grad_norm: torch.Tensor) -> None:
+        """`next_step` where the update does not depend on the norm's value (no clip, or its factor carried): the
+        speculation holds and nothing is read on the host; the next step checks the norm (`nonfinite_check`)."""
+        self._pending_norm = PendingNorm(grad_norm)
+        if self.config.clip_grad > 0.0:  # megatron's tensor clip scales the gradients that the side stream reads
+            self.join_newton_schulz()
+        self._last_step_clipped = False
+        self._carried = False
+        for engine in self.engines:
+            engine.speculation_valid = True
 
 
 def _first_non_finite(model_chunks) -> str:

@@ -99,6 +99,9 @@ class OptimizerSection:
     muon_tp_mode: str = "blockwise"
     # with the distributed optimizer: where each owner starts its Newton–Schulz ("backward_end", "bucket", "step")
     muon_newton_schulz_start: str = "backward_end"
+    # with the distributed optimizer: a non-finite gradient norm stops the step before any update ("before_update",
+    # the host reads the norm) or is reported by the next step ("next_step": the host does not wait for the backward)
+    muon_nonfinite_check: str = "before_update"
     # replay Muon's momentum stacks and Newton–Schulz from CUDA graphs once their tensors repeat (bit-identical)
     muon_graph_newton_schulz: bool = False
     one_pass_adamw: bool = True  # AdamW's clip factor, update and bf16 model copy in one pass where Triton runs

@@ -168,9 +168,11 @@ def _validate_training(recipe: Recipe) -> None:
     _one_of("training.compile_scope", train.compile_scope, COMPILE_SCOPES)
     _one_of("training.exit_signal", train.exit_signal, EXIT_SIGNALS)
     _one_of("optimizer.lr_decay_style", opt.lr_decay_style, DECAY_STYLES)
+    from megatron_muon.megatron.nonfinite_check import NONFINITE_CHECKS
     from megatron_muon.megatron.owner_optimizer import NEWTON_SCHULZ_STARTS
 
     _one_of("optimizer.muon_newton_schulz_start", opt.muon_newton_schulz_start, NEWTON_SCHULZ_STARTS)
+    _one_of("optimizer.muon_nonfinite_check", opt.muon_nonfinite_check, NONFINITE_CHECKS)
     _require(opt.lr > 0 and 0 <= opt.min_lr <= opt.lr, "optimizer.lr must be > 0 and 0 <= optimizer.min_lr <= lr.")
     decay = opt.lr_decay_iters or train.train_iters
     _require(0 <= opt.lr_warmup_iters < decay,

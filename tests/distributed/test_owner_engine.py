@@ -1,6 +1,8 @@
 """The owner engine's behaviour beyond parity: Newton–Schulz inside the backward, what a clipped step does with it,
 memory per rank against distributed AdamW, and the errors for inputs it cannot take (CPU, gloo)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -69,7 +71,7 @@ def test_a_clipped_step_recomputes_what_the_backward_speculated(rank_pool_2):
             assert max_relative_error(after["params"], run["params"])[1] == 0.0
 
 
-def _starts(rank, world_size, clip_grad):
+def _starts(rank, world_size, clip_grad, nonfinite_check="before_update"):
     """One run per place where Newton–Schulz starts (in the backward per bucket, at its end batched, in the step)."""
     from megatron_muon.megatron.owner_optimizer import NEWTON_SCHULZ_STARTS
     from megatron_muon.testing.training import full_parameters
@@ -80,6 +82,7 @@ def _starts(rank, world_size, clip_grad):
             model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=clip_grad, ddp_overrides=OVERLAP)
             owner = owner_optimizers(optimizer)[0]
             owner.newton_schulz_start = start
+            owner.nonfinite_check = nonfinite_check
             losses = [train_step(model, optimizer, step) for step in range(3)]
             runs[start] = {"losses": losses, "params": full_parameters(model), "log": list(owner.wave_log),
                            "used": sum(e.speculation_used for e in owner.engines),
@@ -87,14 +90,15 @@ def _starts(rank, world_size, clip_grad):
     return runs
 
 
+@pytest.mark.parametrize("nonfinite_check", ["before_update", "next_step"])
 @pytest.mark.parametrize("clip_grad", [0.0, 1e-3])
-def test_every_newton_schulz_start_trains_to_the_steps_parameters_bit_for_bit(rank_pool_2, clip_grad):
+def test_every_newton_schulz_start_trains_to_the_steps_parameters_bit_for_bit(rank_pool_2, clip_grad, nonfinite_check):
     """`backward_end` speculates every owned matrix once per step (batched by shape, before the host reads the
     norm) and the step uses it, clipped or not (under clipping it takes the clip factor in); `bucket` and
-    `backward_end` end where `step` ends, bit for bit."""
+    `backward_end` end where `step` ends, bit for bit, whichever step checks the norm for NaN."""
     from megatron_muon.testing.training import max_relative_error
 
-    for result in rank_pool_2.run(_starts, clip_grad):
+    for result in rank_pool_2.run(_starts, clip_grad, nonfinite_check):
         step, batched = result["step"], result["backward_end"]
         assert step["used"] == step["discarded"] == 0 and not step["log"]
         assert [kind for kind, wave in batched["log"]] == ["speculated"] * len(batched["log"])
@@ -147,6 +151,133 @@ def test_an_unknown_newton_schulz_start_names_the_choices():
         owner.newton_schulz_start = "forward"
     owner.overlap_newton_schulz = False
     assert owner.newton_schulz_start == "step" and not owner.overlap_newton_schulz
+
+
+def _nonfinite_check_modes(rank, world_size, clip_grad):
+    """The same three steps with the norm checked before the update (host read) and at the next step (none)."""
+    from megatron_muon.testing.training import full_parameters
+
+    runs = {}
+    with one_thread():
+        for check in ("before_update", "next_step"):
+            model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=clip_grad, ddp_overrides=OVERLAP)
+            owner_optimizers(optimizer)[0].nonfinite_check = check
+            losses = [train_step(model, optimizer, step) for step in range(3)]
+            runs[check] = {"losses": losses, "params": full_parameters(model)}
+    return runs
+
+
+@pytest.mark.parametrize("clip_grad", [0.0, 1e-3])
+def test_the_norm_checked_next_step_trains_like_the_norm_read_before_the_update(rank_pool_2, clip_grad):
+    """Unclipped the two checks train bit for bit alike; under a clip that fires, `next_step` clips by megatron's
+    tensor arithmetic on the device (fp32 coefficient) instead of its double on the host: within fp32 rounding."""
+    from megatron_muon.testing.training import max_relative_error
+
+    for result in rank_pool_2.run(_nonfinite_check_modes, clip_grad):
+        read, deferred = result["before_update"], result["next_step"]
+        error = max_relative_error(read["params"], deferred["params"])[1]
+        if clip_grad == 0.0:
+            assert deferred["losses"] == read["losses"] and error == 0.0
+        else:
+            assert deferred["losses"] == pytest.approx(read["losses"], rel=1e-6) and error < 1e-5, error
+
+
+class _HostReadForbidden(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """Every way of reading a tensor's value on the host raises inside the block, except torch's single-tensor
+    AdamW reading its step count: the CPU stand-in for the fused GPU kernel, which keeps it on the device."""
+    import sys
+
+    names = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def forbidding(name):
+        def read(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None:  # through torch-function dispatch back to the caller
+                if frame.f_code.co_name == "_get_value" and "torch/optim/" in frame.f_code.co_filename:
+                    return saved[name](self, *args, **kwargs)
+                frame = frame.f_back
+            raise _HostReadForbidden(f"a tensor value was read on the host ({name})")
+        return read
+
+    for name in names:
+        setattr(torch.Tensor, name, forbidding(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _step_reads(rank, world_size, clip_grad, check):
+    from megatron_muon.testing.models import forward_backward, synthetic_batch
+
+    with one_thread():
+        model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=clip_grad, ddp_overrides=OVERLAP)
+        owner = owner_optimizers(optimizer)[0]
+        owner.nonfinite_check = check
+        train_step(model, optimizer, 0)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(model, [synthetic_batch(20 + 2 * rank + i, micro_batch_size=2) for i in range(2)])
+        owner.check_last_norm()  # the last step's norm, which this step reads when it starts
+        try:
+            with _no_host_reads():
+                optimizer.step()
+        except _HostReadForbidden as error:
+            import traceback
+
+            return "".join(traceback.format_exception(error)[-6:])
+        return None
+
+
+@pytest.mark.parametrize("clip_grad", [0.0, 1.0])
+def test_with_the_norm_checked_next_step_the_step_reads_nothing_on_the_host(rank_pool_2, clip_grad):
+    """`next_step` queues the whole step without reading a tensor on the host (megatron's chain, the clip, AdamW and
+    the owners' update); `before_update` reads the norm."""
+    for read in rank_pool_2.run(_step_reads, clip_grad, "next_step"):
+        assert read is None, read
+    assert all(read is not None for read in rank_pool_2.run(_step_reads, clip_grad, "before_update"))
+
+
+def _nan_reported_next_step(rank, world_size):
+    from megatron_muon.testing.models import forward_backward, synthetic_batch
+
+    with one_thread():
+        model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=1.0, ddp_overrides=OVERLAP)
+        owner = owner_optimizers(optimizer)[0]
+        owner.nonfinite_check = "next_step"
+        train_step(model, optimizer, 0)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(model, [synthetic_batch(8 + 2 * rank + i, micro_batch_size=2) for i in range(2)])
+        dict(model.named_parameters())["module.decoder.layers.0.mlp.linear_fc2.weight"].main_grad[0, 0] = float("nan")
+        optimizer.step()  # applied: its norm is read when the next step starts
+        applied = not all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        try:
+            train_step(model, optimizer, 2)
+        except ValueError as error:
+            return {"message": str(error), "applied": applied}
+        return {"message": None, "applied": applied}
+
+
+def test_with_the_norm_checked_next_step_a_nan_step_is_reported_by_the_next(rank_pool_2):
+    for result in rank_pool_2.run(_nan_reported_next_step):
+        assert result["applied"], "the NaN step was applied before its norm was read"
+        assert result["message"] and "previous optimizer step" in result["message"], result
+        assert "before_update" in result["message"]
+
+
+def test_an_unknown_nonfinite_check_names_the_choices():
+    from megatron_muon.megatron.nonfinite_check import check_nonfinite_choice
+
+    with pytest.raises(ValueError, match="optimizer.muon_nonfinite_check.*before_update.*next_step"):
+        check_nonfinite_choice("never")
 
 
 def _memory(rank, world_size, name, precision):

@@ -98,6 +98,34 @@ def test_owner_plan_settings_name_the_fix():
         owner_layout.OwnerPlanSettings(tokens_per_step=0)
 
 
+def test_the_recipes_nonfinite_check_reaches_the_owner_engine_through_megatrons_config(rank_pool_1):
+    assert all(rank_pool_1.run(_owner_nonfinite_check))
+
+
+def _owner_nonfinite_check(rank, world_size):
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    import megatron_muon
+    from megatron_muon.megatron.owner_optimizer import OwnerMuonOptimizer
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.training.model import build_model, transformer_config, wrap_model
+    from megatron_muon.training.optimizer_setup import optimizer_config
+    from megatron_muon.training.recipes import load_recipe
+
+    megatron_muon.register()
+    init_model_parallel(tp=1)
+    checks = []
+    for value in ("before_update", "next_step"):
+        recipe = load_recipe("tiny-cpu", ["parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+                                          f"optimizer.muon_nonfinite_check={value}"])
+        config = transformer_config(recipe, on_gpu=False)
+        model = wrap_model(build_model(recipe, config), config, recipe)
+        optimizer = get_megatron_optimizer(optimizer_config(recipe), [model], use_gloo_process_groups=False)
+        owners = [c for c in optimizer.chained_optimizers if isinstance(c, OwnerMuonOptimizer)]
+        checks.append(len(owners) == 1 and owners[0].nonfinite_check == value)
+    return all(checks)
+
+
 def test_the_recipes_graph_setting_reaches_muon_through_megatrons_config():
     from megatron_muon.optimizer.muon import Muon
     from megatron_muon.training.optimizer_setup import optimizer_config

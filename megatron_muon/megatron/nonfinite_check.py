@@ -1,0 +1,62 @@
+"""When the owner engine reports a non-finite gradient norm (`muon_nonfinite_check`, recipe
+`optimizer.muon_nonfinite_check`).
+
+`before_update` (default): the host reads the step's norm before anything is updated, and a non-finite norm stops the
+step on every rank with no state changed, naming the first parameter whose gradient holds it. That read waits for
+the whole backward, so the host queues the step only after the GPU has finished it.
+
+`next_step`: where nothing in the update depends on the norm's value (no clipping, or a clip factor the speculation
+already carries), the norm stays on the device and travels to the host without blocking; the next step (or a
+checkpoint save) reads it and raises if it was non-finite. The host then queues the whole step while the backward
+still runs, as megatron's distributed AdamW does (whose step has no such check at all); the price is that a NaN step
+has been applied when it is reported.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NONFINITE_CHECKS = ("before_update", "next_step")
+DEFAULT_NONFINITE_CHECK = "before_update"
+
+
+def check_nonfinite_choice(choice: str) -> str:
+    if choice not in NONFINITE_CHECKS:
+        raise ValueError(f"unknown non-finite check {choice!r} (muon_nonfinite_check, the recipe's "
+                         f"optimizer.muon_nonfinite_check); valid choices: {NONFINITE_CHECKS}")
+    return choice
+
+
+class PendingNorm:
+    """One step's gradient norm on its way to the host: copied without blocking, read when the next step starts."""
+
+    def __init__(self, norm: torch.Tensor):
+        norm = norm.detach().reshape(1)
+        if norm.is_cuda:
+            self._host = torch.empty(1, dtype=norm.dtype, pin_memory=True)
+            self._host.copy_(norm, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = norm.clone(), None
+
+    def value(self) -> float:
+        if self._ready is not None:
+            self._ready.synchronize()  # long done by the next step: no wait in practice
+        return float(self._host[0])
+
+
+def raise_if_last_norm_was_non_finite(pending: PendingNorm | None) -> None:
+    """The `next_step` report: every rank holds the same norm, so every rank raises."""
+    if pending is None:
+        return
+    norm = pending.value()
+    if not math.isfinite(norm):
+        raise ValueError(
+            f"non-finite gradient norm ({norm}) at the previous optimizer step: with muon_nonfinite_check=next_step "
+            "that step's update was applied before its norm was read, so parameters and optimizer state may hold NaN "
+            "or Inf. Resume from the last checkpoint (lower the learning rate or skip that batch); "
+            "muon_nonfinite_check=before_update stops such a step before any state changes and names the parameter."
+        )
