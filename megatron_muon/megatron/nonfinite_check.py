@@ -6,8 +6,8 @@ step on every rank with no state changed, naming the first parameter whose gradi
 the whole backward, so the host queues the step only after the GPU has finished it.
 
 `next_step`: where nothing in the update depends on the norm's value (no clipping, or a clip factor the speculation
-already carries), the norm stays on the device and travels to the host without blocking; the next step (or a
-checkpoint save) reads it and raises if it was non-finite. The host then queues the whole step while the backward
+already carries), the norm stays on the device and travels to the host without blocking; the first step that
+starts after it has arrived (or a checkpoint save, which waits for it) reads it and raises if it was non-finite. The host then queues the whole step while the backward
 still runs, as megatron's distributed AdamW does (whose step has no such check at all); the price is that a NaN step
 has been applied when it is reported.
 """
@@ -30,7 +30,7 @@ def check_nonfinite_choice(choice: str) -> str:
 
 
 class PendingNorm:
-    """One step's gradient norm on its way to the host: copied without blocking, read when the next step starts."""
+    """One step's gradient norm on its way to the host: copied without blocking, read once it has arrived."""
 
     def __init__(self, norm: torch.Tensor):
         norm = norm.detach().reshape(1)
@@ -42,20 +42,27 @@ class PendingNorm:
         else:
             self._host, self._ready = norm.clone(), None
 
+    def arrived(self) -> bool:
+        return self._ready is None or self._ready.query()
+
     def value(self) -> float:
         if self._ready is not None:
-            self._ready.synchronize()  # long done by the next step: no wait in practice
+            self._ready.synchronize()
         return float(self._host[0])
 
 
-def raise_if_last_norm_was_non_finite(pending: PendingNorm | None) -> None:
-    """The `next_step` report: every rank holds the same norm, so every rank raises."""
-    if pending is None:
-        return
-    norm = pending.value()
+def raise_if_a_norm_was_non_finite(pending: list[PendingNorm], wait: bool) -> list[PendingNorm]:
+    """The `next_step` report over the norms that have arrived (all of them with `wait`): every rank holds the same
+    norms, so every rank raises. Returns those still on their way."""
+    for norm in [p.value() for p in pending if wait or p.arrived()]:
+        _raise_if_non_finite(norm)
+    return [] if wait else [p for p in pending if not p.arrived()]
+
+
+def _raise_if_non_finite(norm: float) -> None:
     if not math.isfinite(norm):
         raise ValueError(
-            f"non-finite gradient norm ({norm}) at the previous optimizer step: with muon_nonfinite_check=next_step "
+            f"non-finite gradient norm ({norm}) at an earlier optimizer step: with muon_nonfinite_check=next_step "
             "that step's update was applied before its norm was read, so parameters and optimizer state may hold NaN "
             "or Inf. Resume from the last checkpoint (lower the learning rate or skip that batch); "
             "muon_nonfinite_check=before_update stops such a step before any state changes and names the parameter."

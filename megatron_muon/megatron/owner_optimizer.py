@@ -39,7 +39,7 @@ from megatron_muon.megatron.nonfinite_check import (
     DEFAULT_NONFINITE_CHECK,
     PendingNorm,
     check_nonfinite_choice,
-    raise_if_last_norm_was_non_finite,
+    raise_if_a_norm_was_non_finite,
 )
 from megatron_muon.optimizer.speculation_graphs import static_factor
 from megatron_muon.optimizer.wave_muon import WaveMuon
@@ -93,7 +93,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
                  nonfinite_check: str = DEFAULT_NONFINITE_CHECK):
         _check_start(newton_schulz_start)
         self.nonfinite_check = check_nonfinite_choice(nonfinite_check)
-        self._pending_norm: PendingNorm | None = None  # next_step: the last step's norm, read when this one starts
+        self._pending_norms: list[PendingNorm] = []  # next_step: norms not yet checked on the host
         if not config.bf16:  # megatron's layer-wise optimizer wraps bf16 only; fp32/fp64 get megatron's FP32 wrapper
             fns = init_state_fn_list or [None] * len(optimizers)
             optimizers = [FP32Optimizer(o, config, fn or (lambda *_: None)) for o, fn in zip(optimizers, fns)]
@@ -208,7 +208,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         a gradient, a buffer or a parameter)."""
         self._started.clear()
         self._carried = False
-        self.check_last_norm()
+        self.check_last_norms()
         with record_function("owner.prepare_grads"):
             found_inf = super().prepare_grads()
         if self._newton_schulz_start == "backward_end" and not found_inf and not self.clip_factor_from_chain:
@@ -234,10 +234,10 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
             self._launch(None, None, self._all_members, grad_factor=self._clip_factor)
         self._carried = True
 
-    def check_last_norm(self) -> None:
-        """`next_step`: raise if the last step's gradient norm was non-finite (`nonfinite_check`)."""
-        pending, self._pending_norm = self._pending_norm, None
-        raise_if_last_norm_was_non_finite(pending)
+    def check_last_norms(self, wait: bool = False) -> None:
+        """`next_step`: raise if an earlier step's gradient norm was non-finite (`nonfinite_check`); those not yet
+        on the host are checked later, unless `wait`."""
+        self._pending_norms = raise_if_a_norm_was_non_finite(self._pending_norms, wait)
 
     def join_newton_schulz(self) -> None:
         """Order everything after this on the step's stream behind the speculative Newton–Schulz."""
@@ -280,7 +280,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
         if not is_loading:
-            self.check_last_norm()  # a checkpoint of a step with a non-finite norm would be saved silently
+            self.check_last_norms(wait=True)  # a checkpoint of a step with a non-finite norm would be saved silently
 
         state, self._owned_keys = {}, {}
         for model_sh, momentum, master in self._owned_state(model_sharded_state_dict):
@@ -339,7 +339,7 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     def _update_regardless_of_the_norm(self, grad_norm: torch.Tensor) -> None:
         """`next_step` where the update does not depend on the norm's value (no clip, or its factor carried): the
         speculation holds and nothing is read on the host; the next step checks the norm (`nonfinite_check`)."""
-        self._pending_norm = PendingNorm(grad_norm)
+        self._pending_norms.append(PendingNorm(grad_norm))
         if self.config.clip_grad > 0.0:  # megatron's tensor clip scales the gradients that the side stream reads
             self.join_newton_schulz()
         self._last_step_clipped = False

@@ -225,7 +225,7 @@ def _step_reads(rank, world_size, clip_grad, check):
         model.zero_grad_buffer()
         optimizer.zero_grad()
         forward_backward(model, [synthetic_batch(20 + 2 * rank + i, micro_batch_size=2) for i in range(2)])
-        owner.check_last_norm()  # the last step's norm, which this step reads when it starts
+        owner.check_last_norms(wait=True)  # the last step's norm, which this step reads if it has arrived
         try:
             with _no_host_reads():
                 optimizer.step()
@@ -269,7 +269,7 @@ def _nan_reported_next_step(rank, world_size):
 def test_with_the_norm_checked_next_step_a_nan_step_is_reported_by_the_next(rank_pool_2):
     for result in rank_pool_2.run(_nan_reported_next_step):
         assert result["applied"], "the NaN step was applied before its norm was read"
-        assert result["message"] and "previous optimizer step" in result["message"], result
+        assert result["message"] and "earlier optimizer step" in result["message"], result
         assert "before_update" in result["message"]
 
 
