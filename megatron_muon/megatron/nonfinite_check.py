@@ -7,9 +7,9 @@ the whole backward, so the host queues the step only after the GPU has finished 
 
 `next_step`: where nothing in the update depends on the norm's value (no clipping, or a clip factor the speculation
 already carries), the norm stays on the device and travels to the host without blocking; the first step that
-starts after it has arrived (or a checkpoint save, which waits for it) reads it and raises if it was non-finite. The host then queues the whole step while the backward
-still runs, as megatron's distributed AdamW does (whose step has no such check at all); the price is that a NaN step
-has been applied when it is reported.
+starts after it has arrived (or a checkpoint save, which waits for it) reads it and raises if it was non-finite.
+The host then queues the whole step while the backward still runs, as megatron's distributed AdamW does (whose step
+has no such check at all); the price is that a NaN step has been applied when it is reported.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ class PendingNorm:
 def raise_if_a_norm_was_non_finite(pending: list[PendingNorm], wait: bool) -> list[PendingNorm]:
     """The `next_step` report over the norms that have arrived (all of them with `wait`): every rank holds the same
     norms, so every rank raises. Returns those still on their way."""
-    for norm in [p.value() for p in pending if wait or p.arrived()]:
-        _raise_if_non_finite(norm)
-    return [] if wait else [p for p in pending if not p.arrived()]
+    due = [wait or p.arrived() for p in pending]  # asked once per norm: one that arrives meanwhile waits its turn
+    for norm, now in zip(pending, due):
+        if now:
+            _raise_if_non_finite(norm.value())
+    return [norm for norm, now in zip(pending, due) if not now]
 
 
 def _raise_if_non_finite(norm: float) -> None:

@@ -273,6 +273,28 @@ def test_with_the_norm_checked_next_step_a_nan_step_is_reported_by_the_next(rank
         assert "before_update" in result["message"]
 
 
+def test_pending_norms_are_checked_once_they_arrive_and_all_before_a_save():
+    from megatron_muon.megatron.nonfinite_check import raise_if_a_norm_was_non_finite
+
+    class Norm:
+        def __init__(self, value, arrived):
+            self._value, self._arrived, self.reads = value, arrived, 0
+
+        def arrived(self):
+            return self._arrived
+
+        def value(self):
+            self.reads += 1
+            return self._value
+
+    here, on_the_way = Norm(1.0, True), Norm(float("nan"), False)
+    assert raise_if_a_norm_was_non_finite([here, on_the_way], wait=False) == [on_the_way]
+    assert (here.reads, on_the_way.reads) == (1, 0)
+    with pytest.raises(ValueError, match="non-finite gradient norm \\(nan\\) at an earlier optimizer step"):
+        raise_if_a_norm_was_non_finite([on_the_way], wait=True)  # a checkpoint save waits for every norm
+    assert raise_if_a_norm_was_non_finite([Norm(2.0, False)], wait=True) == []
+
+
 def test_an_unknown_nonfinite_check_names_the_choices():
     from megatron_muon.megatron.nonfinite_check import check_nonfinite_choice
 
