@@ -214,11 +214,11 @@ def _no_host_reads():
             setattr(torch.Tensor, name, method)
 
 
-def _step_reads(rank, world_size, clip_grad, check):
+def _step_reads(rank, world_size, clip_grad, check, tp=1, pp=1, model_kind="gpt"):
     from megatron_muon.testing.models import forward_backward, synthetic_batch
 
     with one_thread():
-        model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=clip_grad, ddp_overrides=OVERLAP)
+        model, optimizer = build(tp, pp, "dist_muon", "fp32", model_kind, clip_grad=clip_grad, ddp_overrides=OVERLAP)
         owner = owner_optimizers(optimizer)[0]
         owner.nonfinite_check = check
         train_step(model, optimizer, 0)
@@ -243,6 +243,12 @@ def test_with_the_norm_checked_next_step_the_step_reads_nothing_on_the_host(rank
     for read in rank_pool_2.run(_step_reads, clip_grad, "next_step"):
         assert read is None, read
     assert all(read is not None for read in rank_pool_2.run(_step_reads, clip_grad, "before_update"))
+
+
+@pytest.mark.parametrize("tp,pp,model", [(2, 1, "hybrid"), (1, 2, "gpt")])
+def test_the_next_step_check_reads_nothing_on_the_host_with_model_parallelism(rank_pool_4, tp, pp, model):
+    for read in rank_pool_4.run(_step_reads, 1.0, "next_step", tp, pp, model):
+        assert read is None, read
 
 
 def _nan_reported_next_step(rank, world_size):
