@@ -10,7 +10,8 @@ Where Newton–Schulz starts (`newton_schulz_start`): `bucket` (with `overlap_gr
 its reduce-scatter has landed, on a side stream while the backward continues (a hook on the parameters' gradient
 accumulators, after DDP's own); `backward_end` for all owned matrices at once, one batch per shape, on the side
 stream when the step prepares its gradients, so the host queues it before it blocks reading the gradient norm and
-the GPU runs it while the host queues the step; `step` inside the step.
+the GPU runs it while the host queues the step (with `nonfinite_check="next_step"` the host does not block on the
+norm at all: `nonfinite_check.py`); `step` inside the step.
 
 With gradient clipping, `backward_end` takes the clip factor into the speculation: the chain computes the global
 gradient norm on the device first (megatron's own computation, which it then reuses instead of repeating), and each
