@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import free_memory, git_revision, package_versions, write_table_and_rows  # noqa: E402
 from e2e import train_steps  # noqa: E402
+from fake_group import join_fake_group, leave_fake_group  # noqa: E402
+from step_digests import param_digest, poisonfree_memory, tensor_digests  # noqa: E402
 
 VARIANTS = {  # label, optimizer, where Newton-Schulz starts (+ graphs), whether the step runs on a high-priority stream
     "adam": ("megatron DistributedOptimizer, AdamW (fused)", "adam", "bucket", False),
@@ -59,50 +61,6 @@ VARIANTS = {  # label, optimizer, where Newton-Schulz starts (+ graphs), whether
 # norm kept on the device (under clipping megatron's fp32 tensor clip instead of its host double: rounding apart)
 SCHEDULES = {"ours-end-pe4": {"muon_num_ns_steps": 4, "muon_coefficient_type": "polar_express"},
              "ours-end-next": {"muon_nonfinite_check": "next_step"}}
-
-
-_MEGATRON_COLLECTIVES: dict = {}  # megatron's own bucket collectives while local copies stand in for them
-
-
-def local_collectives(world: int) -> None:
-    """megatron's bucket reduce-scatter and all-gather as local copies of the same bytes (fake group only)."""
-    from megatron.core.distributed import param_and_grad_buffer
-
-    def reduce_scatter(output, input, op=None, group=None, async_op=False):
-        torch.sum(input.view(world, -1), dim=0, out=output)
-
-    def all_gather(output, input, group=None, async_op=False):
-        output.view(world, -1).copy_(input.view(1, -1).expand(world, -1))
-
-    for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
-        _MEGATRON_COLLECTIVES.setdefault(name, getattr(param_and_grad_buffer, name))
-    param_and_grad_buffer.dist_reduce_scatter_func = reduce_scatter
-    param_and_grad_buffer.dist_all_gather_func = all_gather
-
-
-def join_fake_group(world: int, rank: int) -> None:
-    from megatron.core import parallel_state
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    leave_fake_group()
-    torch.distributed.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
-    local_collectives(world)
-
-
-def leave_fake_group() -> None:
-    """Undo `join_fake_group` (groups and megatron's collectives), so a caller in the same process (a test session)
-    can build its own groups."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import param_and_grad_buffer
-
-    for name, function in _MEGATRON_COLLECTIVES.items():
-        setattr(param_and_grad_buffer, name, function)
-    _MEGATRON_COLLECTIVES.clear()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def build(recipe, newton_schulz_start: str):
@@ -220,52 +178,6 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
     return row
 
 
-def poisonfree_memory() -> None:
-    """Fill most of the device's free memory with NaN bytes and hand it to the caching allocator: a kernel that reads
-    memory nobody wrote (an `empty` buffer taken as zeros) then makes NaNs, which `--trace` locates."""
-    if not torch.cuda.is_available():
-        return
-    free, _ = torch.cuda.mem_get_info()
-    block = torch.empty(int(free * 0.8), dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN in bf16 and fp32
-    del block
-
-
-def _short_digest(tensor: torch.Tensor) -> str:
-    import hashlib
-
-    return hashlib.sha256(tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()).hexdigest()[:12]
-
-
-def tensor_digests(model, optimizer, stage: str) -> dict:
-    """Per-tensor digests at one point of a step, to find the first tensor where two runs part: after the backward
-    every parameter's main_grad, after the step every parameter and the Muon engines' momentum and fp32 masters."""
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-    named = sorted(model.named_parameters(), key=lambda item: item[0])
-    nonfinite = [n for n, p in named if not torch.isfinite(p).all()]
-    if stage == "backward":
-        grads = {n: p.main_grad for n, p in named if getattr(p, "main_grad", None) is not None}
-        return {"grads": {n: _short_digest(g) for n, g in grads.items()},
-                "nonfinite": [f"grad:{n}" for n, g in grads.items() if not torch.isfinite(g).all()] + nonfinite}
-    names = {id(p): n for n, p in named}
-    state = {}
-    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for model_group, main_group in zip(getattr(member, "float16_groups", []),
-                                           getattr(member, "fp32_from_float16_groups", [])):
-            for model_param, main in zip(model_group, main_group):
-                state[f"master:{names.get(id(model_param), '?')}"] = _short_digest(main)
-                momentum = member.optimizer.state.get(main, {}).get("momentum_buffer")
-                if momentum is not None:
-                    state[f"momentum:{names.get(id(model_param), '?')}"] = _short_digest(momentum)
-    engines = [e for m in getattr(optimizer, "chained_optimizers", []) for e in getattr(m, "engines", [])]
-    for e, engine in enumerate(engines):
-        for g, group in enumerate(engine.param_groups):
-            for i, param in enumerate(group["params"]):
-                momentum = engine.state.get(param, {}).get("momentum_buffer")
-                if momentum is not None:
-                    state[f"muon{e}.{g}.{i}:momentum"] = _short_digest(momentum)
-    return {"params": {n: _short_digest(p) for n, p in named}, "state": state, "nonfinite": nonfinite}
-
-
 def first_difference(rows: list[dict]) -> list[str]:
     """Each traced run against the first traced run of the same optimizer and W (variants of one optimizer compute
     the same numbers): the first (step, stage) where they part, and which tensors differ there."""
@@ -295,17 +207,6 @@ def first_difference(rows: list[dict]) -> list[str]:
                      f"W = {row['world']}: {found}; "
                      f"{losses}")
     return ["", "## Where runs part (--trace)", "", *lines] if lines else []
-
-
-def param_digest(model) -> str:
-    """SHA-256 of every parameter's bytes after the steps: variants that must agree bit for bit compare these."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        digest.update(name.encode())
-        digest.update(param.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def stream_overlap(run_step) -> dict:
