@@ -27,31 +27,31 @@ class OwnerMuonChain(ChainedOptimizer):
 
     _early_norm = None  # this step's norm, computed in prepare_grads for get_grad_norm to return
 
-    def _clip_carriers(self) -> list[OwnerMuonOptimizer]:
-        """The owners whose speculation can take the clip factor this step: `backward_end` with clipping, every
-        norm megatron combines a device tensor (so computing them early does not block the host) and one norm for
-        every parameter."""
+    def _owners(self) -> list[OwnerMuonOptimizer]:
+        return [child for child in self.chained_optimizers if isinstance(child, OwnerMuonOptimizer)]
+
+    def _one_device_norm(self) -> bool:
+        """Whether megatron can clip every parameter by one device norm: a tensor clip kernel exists (device norms,
+        so computing them early does not block the host) and no parameter clips with a grad-norm group's own."""
         from megatron.core.optimizer import clip_grads
         from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
 
-        owners = [child for child in self.chained_optimizers if isinstance(child, OwnerMuonOptimizer)
-                  and child.newton_schulz_start == "backward_end" and child.config.clip_grad > 0.0]
-        if not owners or clip_grads.multi_tensor_scale_tensor_impl is None:
-            return []
-        if any(self.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS):
-            return []  # those parameters clip with their own norm
-        return owners
+        return clip_grads.multi_tensor_scale_tensor_impl is not None \
+            and not any(self.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS)
+
+    def _clip_carriers(self) -> list[OwnerMuonOptimizer]:
+        """The owners whose speculation can take the clip factor this step: `backward_end` with clipping, under
+        one device norm."""
+        owners = [owner for owner in self._owners()
+                  if owner.newton_schulz_start == "backward_end" and owner.config.clip_grad > 0.0]
+        return owners if owners and self._one_device_norm() else []
 
     def _norm_on_device(self) -> bool:
         """Whether the step's norm stays a device tensor: every owner reports a non-finite norm at the next step
-        (`nonfinite_check`), megatron can clip by a tensor norm, and one norm covers every parameter."""
-        from megatron.core.optimizer import clip_grads
-        from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
-
-        owners = [child for child in self.chained_optimizers if isinstance(child, OwnerMuonOptimizer)]
+        (`nonfinite_check`), under one device norm."""
+        owners = self._owners()
         return bool(owners) and all(owner.nonfinite_check == "next_step" for owner in owners) \
-            and clip_grads.multi_tensor_scale_tensor_impl is not None \
-            and not any(self.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS)
+            and self._one_device_norm()
 
     def _norm_and_clip_factor(self):
         """(what megatron's get_grad_norm returns, or the squared norm it takes the root of on the host; the clip

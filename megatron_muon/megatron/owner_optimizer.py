@@ -329,13 +329,9 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
                              f"{_first_non_finite(model_chunks)}; no optimizer state was changed. Lower the learning "
                              "rate or skip this batch (megatron's check_for_nan_in_grad stops at the source).")
         unclipped = clip <= 0.0 or clip / (norm + 1.0e-6) >= 1.0 + 1.0e-5  # the margin covers fp32 rounding
-        valid = unclipped or self._carried
         if not unclipped:  # megatron's clip writes the gradients next, which the side stream may still read
             self.join_newton_schulz()
-        self._last_step_clipped = not valid
-        self._carried = False
-        for engine in self.engines:
-            engine.speculation_valid = valid
+        self._settle_speculation(unclipped or self._carried)
 
     def _update_regardless_of_the_norm(self, grad_norm: torch.Tensor) -> None:
         """`next_step` where the update does not depend on the norm's value (no clip, or its factor carried): the
@@ -343,10 +339,15 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
         self._pending_norms.append(PendingNorm(grad_norm))
         if self.config.clip_grad > 0.0:  # megatron's tensor clip scales the gradients that the side stream reads
             self.join_newton_schulz()
-        self._last_step_clipped = False
+        self._settle_speculation(True)
+
+    def _settle_speculation(self, valid: bool) -> None:
+        """This step's speculative updates hold (`valid`) or are recomputed; after a step that could not keep them,
+        the next one waits for its clip factor."""
+        self._last_step_clipped = not valid
         self._carried = False
         for engine in self.engines:
-            engine.speculation_valid = True
+            engine.speculation_valid = valid
 
 
 def _first_non_finite(model_chunks) -> str:

@@ -39,8 +39,8 @@ def test_first_difference_names_the_step_phase_and_tensors():
 def test_traced_cpu_run_digests_every_phase(tmp_path):
     out = tmp_path / "trace.md"
     command = [sys.executable, str(REPO / "benchmarks" / "dist_sim_step.py"), "--cpu", "--recipe", "tiny-cpu",
-               "--world", "2", "--variants", "ours,ours-after,ours-end-pe4,ours-end-next", "--steps", "2", "--warmup", "1", "--trace",
-               "--digest", "--out", str(out), "--data-dir", str(tmp_path / "data")]
+               "--world", "2", "--variants", "ours,ours-after,ours-end-pe4,ours-end-next", "--steps", "2",
+               "--warmup", "1", "--trace", "--digest", "--out", str(out), "--data-dir", str(tmp_path / "data")]
     environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)
