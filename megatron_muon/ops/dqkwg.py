@@ -11,7 +11,8 @@ values v_new, dv their gradient and g FLA's chunk-local cumulative log2 gate (re
 FLA's Triton kernel forms dsᵀ by transposing ds, a tensor in the tensor-core accumulator layout, which Triton 3.4 to
 3.7.0 miscompiles on Hopper (FLA issue #640; FLA routes it to TileLang there). This kernel computes dsᵀ as its own
 product, v·doᵀ, instead: a [BT, BT] product beside three [BT, BK] ones per value block.
-One program per (key block, chunk, head); the key blocks of a chunk run next to each other, so the chunk's value-side
+One program per (key block, chunk, value head); with more value heads than query/key heads (GVA) a value head reads
+its group's q and k, as in FLA. the key blocks of a chunk run next to each other, so the chunk's value-side
 tiles (do, v, dv) come from L2 after the first. dg is written per key block and summed. On an H200 at the
 hybrid-1.5B shape it is faster than FLA's call, which runs TileLang there (docs/design/gdn_kernels.md).
 """
@@ -43,19 +44,23 @@ COVERAGE = (f"dense equal-length batches with key dim {', '.join(map(str, KEY_DI
 
 
 def qualifies(q, k, v_new, w, g, h, do, dh, dv, cu_seqlens, chunk_size: int) -> bool:
-    """Dense equal-length [B, T, H, ·] bf16/fp16 inputs, one value head per key head, on an sm90 GPU (or the
-    interpreter), contiguous, with key dim 64, 128 or 256 and a value dim that the value blocks divide."""
+    """Dense equal-length bf16/fp16 inputs (q, k [B, T, H, K]; w [B, T, HV, K]; v_new, do, dv [B, T, HV, V]; HV a
+    multiple of H) on an sm90 GPU (or the interpreter), contiguous, with key dim 64, 128 or 256 and a value dim that
+    the value blocks divide."""
     on_device = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
     if triton is None or not (on_device or (_INTERPRETING and q.device.type == "cpu")):
         return False
     if cu_seqlens is not None or chunk_size != CHUNK or g is None or w is None or dv is None or q.dim() != 4:
         return False
-    value_dim = v_new.shape[-1]
+    value_dim, value_heads = v_new.shape[-1], w.shape[2]
     key_side, value_side = (q, k, w), (v_new, do, dv)
     return (
-        all(t.shape == q.shape for t in key_side)
-        and all(t.shape == (*q.shape[:3], value_dim) for t in value_side)
-        and h.shape == dh.shape == (q.shape[0], -(-q.shape[1] // CHUNK), q.shape[2], value_dim, q.shape[3])
+        k.shape == q.shape
+        and w.shape == (*q.shape[:2], value_heads, q.shape[3])
+        and value_heads % q.shape[2] == 0
+        and all(t.shape == (*w.shape[:3], value_dim) for t in value_side)
+        and g.shape == w.shape[:3]
+        and h.shape == dh.shape == (q.shape[0], -(-q.shape[1] // CHUNK), value_heads, value_dim, q.shape[3])
         and all(t.dtype == q.dtype for t in (*key_side, *value_side, h, dh))
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] in KEY_DIMS
@@ -69,18 +74,19 @@ if triton is not None:
     @triton.jit
     def _chunk_dqkwg_kernel(
         q, k, v, w_grad, g, h, do, dh, dv, dq, dk, dg, scale, T, NT,
-        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
         BV: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         i_k = tl.program_id(0)
         i_t = tl.program_id(1)
         i_bh = tl.program_id(2)
-        i_b, i_h = i_bh // H, i_bh % H
+        i_b, i_h = i_bh // HV, i_bh % HV  # a value head; it reads query/key head i_h // (HV // H)
         o_t = i_t * BT + tl.arange(0, BT)
         inside = o_t < T
         o_k = i_k * BK + tl.arange(0, BK)
-        key_rows = ((i_b * T + o_t) * H + i_h).to(tl.int64)  # row offsets in [B, T, H] units
-        state = ((i_b * NT + i_t) * H + i_h).to(tl.int64) * V * K
+        key_rows = ((i_b * T + o_t) * HV + i_h).to(tl.int64)  # row offsets in [B, T, HV] units
+        qk_rows = ((i_b * T + o_t) * H + i_h // (HV // H)).to(tl.int64)  # in [B, T, H] units
+        state = ((i_b * NT + i_t) * HV + i_h).to(tl.int64) * V * K
         b_dq = tl.zeros([BT, BK], dtype=tl.float32)
         b_dk = tl.zeros([BT, BK], dtype=tl.float32)
         b_dw = tl.zeros([BT, BK], dtype=tl.float32)
@@ -105,11 +111,12 @@ if triton is not None:
 
         rows_k = key_rows[:, None] * K + o_k[None, :]
         tl.store(w_grad + rows_k, (-b_dw).to(w_grad.dtype.element_ty), mask=inside[:, None])
-        b_q = tl.load(q + rows_k, mask=inside[:, None], other=0.0)
-        b_k = tl.load(k + rows_k, mask=inside[:, None], other=0.0)
+        rows_qk = qk_rows[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + rows_qk, mask=inside[:, None], other=0.0)
+        b_k = tl.load(k + rows_qk, mask=inside[:, None], other=0.0)
         b_g = tl.load(g + key_rows, mask=inside, other=0.0).to(tl.float32)
         last_t = tl.minimum(i_t * BT + BT, T) - 1
-        b_g_last = tl.load(g + (i_b * T + last_t) * H + i_h).to(tl.float32)
+        b_g_last = tl.load(g + (i_b * T + last_t) * HV + i_h).to(tl.float32)
 
         b_dq = b_dq * (tl.exp2(b_g) * scale)[:, None]
         b_dk = b_dk * tl.where(inside, tl.exp2(b_g_last - b_g), 0.0)[:, None]
@@ -138,31 +145,35 @@ if triton is not None:
     _dqkwg_tuned = triton.autotune(
         configs=[triton.Config({"BK": bk, "BV": bv, "STAGES": stages}, num_warps=warps)
                  for bk, bv, warps, stages in CONFIGS],
-        key=["H", "K", "V"],
+        key=["H", "HV", "K", "V"],
         reset_to_zero=["dg"],  # a narrower key block tried first would leave its slots in the sum
         prune_configs_by={"early_config_prune": _fitting_tiles},
     )(_chunk_dqkwg_kernel)
 
 
 def chunk_dqkwg(q, k, v_new, w, g, h, do, dh, dv, scale: float, config=None):
-    """(dq, dk, dw like q, dg [B, T, H] fp32) as FLA's value-first gated `chunk_bwd_dqkwg`; `config` =
-    (key block, value block, warps, stages) pins a tile instead of autotuning."""
+    """(dq, dk like q, dw like w, dg [B, T, HV] fp32) as FLA's value-first gated `chunk_bwd_dqkwg`; `config` =
+    (key block, value block, warps, stages) pins a tile instead of autotuning. With more value heads than query/key
+    heads, dq and dk are written per value head and summed over each group, as FLA does."""
     batch, seq_len, heads, key_dim = q.shape
-    value_dim = v_new.shape[-1]
+    value_heads, value_dim = v_new.shape[2], v_new.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
-    dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
+    dq, dk, dw = (torch.empty_like(w) for _ in range(3))  # dq, dk per value head
     # one slot per smallest key block, zeros where a wider block leaves slots unwritten: a deterministic sum
-    dg = torch.zeros(key_dim // MIN_KEY_BLOCK, batch, seq_len, heads, dtype=torch.float32, device=q.device)
+    dg = torch.zeros(key_dim // MIN_KEY_BLOCK, batch, seq_len, value_heads, dtype=torch.float32, device=q.device)
     args = (q, k, v_new, dw, g, h, do, dh, dv, dq, dk, dg, float(scale), seq_len, chunks)
-    constants = dict(H=heads, K=key_dim, V=value_dim, BT=CHUNK)
+    constants = dict(H=heads, HV=value_heads, K=key_dim, V=value_dim, BT=CHUNK)
     config = config or (_INTERPRETER_CONFIG if _INTERPRETING else None)
     if config is None:
-        _dqkwg_tuned[lambda meta: (key_dim // meta["BK"], chunks, batch * heads)](*args, **constants)
+        _dqkwg_tuned[lambda meta: (key_dim // meta["BK"], chunks, batch * value_heads)](*args, **constants)
     else:
         block_k, block_v, warps, stages = config
         if key_dim % block_k or value_dim % block_v:
             raise ValueError(f"tile {config} does not divide key dim {key_dim} and value dim {value_dim}; pick key "
                              "and value blocks that do (dqkwg.CONFIGS lists the tiles)")
-        _chunk_dqkwg_kernel[(key_dim // block_k, chunks, batch * heads)](*args, **constants, BK=block_k, BV=block_v,
-                                                                   STAGES=stages, num_warps=warps)
+        _chunk_dqkwg_kernel[(key_dim // block_k, chunks, batch * value_heads)](
+            *args, **constants, BK=block_k, BV=block_v, STAGES=stages, num_warps=warps)
+    if value_heads != heads:
+        groups = value_heads // heads
+        dq, dk = (t.view(batch, seq_len, heads, groups, key_dim).sum(3) for t in (dq, dk))
     return dq, dk, dw, dg.sum(0)

@@ -138,7 +138,7 @@ def chunk_state_backward_reference(q, k, w, g, do, dv, scale: float, dht=None, c
 
 def chunk_output_grads_reference(q, k, v_new, w, g, h, do, dh, dv, scale: float, chunk: int = 64):
     """FLA's value-first `chunk_bwd_dqkwg` in fp32 (fp64), as a vector-Jacobian product taken by autograd:
-    (dq, dk, dw [B, T, H, K], dg [B, T, H]).
+    (dq, dk [B, T, H, K], dw [B, T, HV, K], dg [B, T, HV]); with HV > H value head h reads q/k head h // (HV // H).
 
     Per chunk t, with h_t and v_new held constant and g the chunk-local cumulative log2 gate, three outputs get the
     cotangents do, dh_t (the gradient of the state after chunk t) and dv (that of v_new):
@@ -149,11 +149,12 @@ def chunk_output_grads_reference(q, k, v_new, w, g, h, do, dh, dv, scale: float,
     """
     dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, w, g)]
-    q, k, w, g = inputs
     v_new, h, do, dh, dv = (t.to(dtype) for t in (v_new, h, do, dh, dv))
-    seq_len = q.shape[1]
-    total = q.new_zeros(())
+    seq_len, groups = inputs[0].shape[1], inputs[2].shape[2] // inputs[0].shape[2]
+    total = inputs[0].new_zeros(())
     with torch.enable_grad():
+        q, k = (t.repeat_interleave(groups, dim=2) for t in inputs[:2])  # autograd sums each group's gradients
+        w, g = inputs[2:]
         for t in range(-(-seq_len // chunk)):
             rows = slice(t * chunk, min((t + 1) * chunk, seq_len))
             q_t, k_t, g_t, v_t, h_t = q[:, rows], k[:, rows], g[:, rows], v_new[:, rows], h[:, t]

@@ -19,17 +19,20 @@ def main():
     dtype = torch.float16
     # the last case's decay is strong (gates fall by ~11 per token, as a trained A_log can make them): within its
     # partial last chunk the gates reach below -128 (log2), where a gap to a padding row overflows exp2
-    cases = [(2, 150, 2, 64, 128, 1.0), (1, 128, 1, 128, 256, 1.0), (1, 150, 2, 64, 128, 40.0)]
-    for batch, seq_len, heads, key_dim, value_dim, decay in cases:
-        def rows(dim, s=1.0):
-            return (torch.randn(batch, seq_len, heads, dim, generator=gen) * s).to(dtype)
+    # the GVA case has two value heads per query/key head (Qwen3-Next's grouping)
+    cases = [(2, 150, 2, 2, 64, 128, 1.0), (1, 128, 1, 1, 128, 256, 1.0), (1, 150, 2, 2, 64, 128, 40.0),
+             (1, 150, 2, 4, 64, 128, 1.0)]
+    for batch, seq_len, heads, value_heads, key_dim, value_dim, decay in cases:
+        def rows(dim, s=1.0, n=value_heads):
+            return (torch.randn(batch, seq_len, n, dim, generator=gen) * s).to(dtype)
 
-        q = torch.nn.functional.normalize(rows(key_dim).float(), dim=-1).to(dtype)
-        k = torch.nn.functional.normalize(rows(key_dim).float(), dim=-1).to(dtype)
+        q = torch.nn.functional.normalize(rows(key_dim, n=heads).float(), dim=-1).to(dtype)
+        k = torch.nn.functional.normalize(rows(key_dim, n=heads).float(), dim=-1).to(dtype)
         w, v_new, do, dv = rows(key_dim, 0.1), rows(value_dim, 0.5), rows(value_dim), rows(value_dim)
         chunks = -(-seq_len // CHUNK)
-        h, dh = (torch.randn(batch, chunks, heads, value_dim, key_dim, generator=gen).to(dtype) for _ in range(2))
-        gates = chunk_local_log2_gates(batch, seq_len, heads, gen) * decay
+        h, dh = (torch.randn(batch, chunks, value_heads, value_dim, key_dim, generator=gen).to(dtype)
+                 for _ in range(2))
+        gates = chunk_local_log2_gates(batch, seq_len, value_heads, gen) * decay
         assert qualifies(q, k, v_new, w, gates, h, do, dh, dv, None, CHUNK)
         scale = key_dim**-0.5
         got = chunk_dqkwg(q, k, v_new, w, gates, h, do, dh, dv, scale)
@@ -39,8 +42,11 @@ def main():
         errors = [relative(a, b) for a, b in zip(got, want)]
         assert max(errors) < 2e-3, errors
         assert got[3].dtype == torch.float32 and got[0].dtype == dtype
+        assert got[0].shape == q.shape and got[2].shape == w.shape and got[3].shape == gates.shape
         print("errors", [f"{e:.1e}" for e in errors])
     assert not qualifies(q, k, v_new, w, gates, h, do, dh, dv, torch.tensor([0, 64]), CHUNK)
+    three = torch.cat([q, q[:, :, :1]], dim=2)  # 3 query/key heads do not divide 4 value heads
+    assert not qualifies(three, three, v_new, w, gates, h, do, dh, dv, None, CHUNK)
     print("interpreter ok")
 
 

@@ -49,15 +49,16 @@ def test_selected_backend_is_a_correct_fast_one(restore_backend):
 
 
 @pytest.mark.parametrize(
-    "seq_len, keep_states, with_state, varlen",
-    [(1008, True, True, False), (1008, False, True, False), (496, True, False, False), (1008, True, True, True)],
-    ids=["kept-states", "recomputed-states", "no-initial-state", "varlen"],
+    "seq_len, keep_states, with_state, varlen, qk_heads",
+    [(1008, True, True, False, HEADS), (1008, False, True, False, HEADS), (496, True, False, False, HEADS),
+     (1008, True, True, True, HEADS), (1008, True, True, False, HEADS // 2)],
+    ids=["kept-states", "recomputed-states", "no-initial-state", "varlen", "gva"],
 )
-def test_fla_gdn_matches_torch_backend(restore_backend, seq_len, keep_states, with_state, varlen):
+def test_fla_gdn_matches_torch_backend(restore_backend, seq_len, keep_states, with_state, varlen, qk_heads):
     cu_seqlens = torch.tensor([0, 100, 355, seq_len], device="cuda") if varlen else None
     num_states = 3 if varlen else 1
-    q, k, v, g, beta, h0 = gdn_inputs(1, seq_len, HEADS, HEADS, KEY_DIM, VALUE_DIM, dtype=torch.bfloat16,
-                                      num_states=num_states, device="cuda", seed=seq_len + varlen)
+    q, k, v, g, beta, h0 = gdn_inputs(1, seq_len, qk_heads, HEADS, KEY_DIM, VALUE_DIM, dtype=torch.bfloat16,
+                                      num_states=num_states, device="cuda", seed=seq_len + varlen + qk_heads)
     h0 = h0 if with_state else None
 
     def run(q, k, v, g, beta, h0):
