@@ -31,6 +31,7 @@ from e2e_report import write_profile, write_report  # noqa: E402
 from e2e_rungs import Rung, build_upstream_model, build_upstream_te_model, parse_rungs  # noqa: E402
 
 from megatron_muon.ops.kernel_choice import set_gdn_kernels  # noqa: E402
+from megatron_muon.training.te_cudnn import transformer_engine_compile_disabled  # noqa: E402
 
 
 def _sync() -> None:
@@ -234,7 +235,8 @@ def main(argv=None) -> None:
     command = "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])])
     meta = {"recipe": args.recipe, "overrides": args.set, "steps": args.steps, "warmup": args.warmup,
             "device": ctx.device_name, "command": command, "commands": [*commands, command],
-            "date": time.strftime("%Y-%m-%d"), **package_versions()}
+            "date": time.strftime("%Y-%m-%d"), "te_compile_disabled": transformer_engine_compile_disabled(),
+            **package_versions()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for rung in rungs:
         profile = args.out.with_name(args.out.stem + f"_profile_rung{rung.key}.md") \

@@ -26,6 +26,18 @@ def transformer_engine_usable() -> bool:
     return True
 
 
+def transformer_engine_compile_disabled() -> str | None:
+    """TE's own reason why its modules run eager under torch.compile (each call a graph break), or None when its
+    compiled path is on (or TE is not usable here). TE 2.20 needs torch's opaque constant types for that path, which
+    torch 2.11 lacks."""
+    if not transformer_engine_usable():
+        return None
+    import transformer_engine.pytorch.dynamo.custom_op  # noqa: F401 - registering its ops records the reason
+    from transformer_engine.pytorch import utils
+
+    return getattr(utils, "_compile_disabled_reason", None)
+
+
 def torch_cudnn_dir() -> Path | None:
     """The `nvidia/cudnn` folder of the wheel torch loads its cuDNN from, or None (a system or source build)."""
     spec = importlib.util.find_spec("nvidia.cudnn")

@@ -1,6 +1,8 @@
 """Our spec on Transformer Engine's modules, compiled layer by layer on the GPU: it trains (the first forward used to
 crash in Inductor after megatron's viewless copy of a TE linear's view output), and its losses follow the eager TE
-run's within bf16 tolerance. Graph breaks are reported, not asserted: TE's linears are dynamo-disabled."""
+run's within bf16 tolerance. With TE's compiled path on (a torch that TE's custom ops support), the compiled model has
+no graph break and no recompile; where TE reports that path off, its modules break the graph and that part is an
+expected failure with TE's reason."""
 
 import json
 import sys
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_muon.training.te_cudnn import transformer_engine_usable
+from megatron_muon.training.te_cudnn import transformer_engine_compile_disabled, transformer_engine_usable
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -35,4 +37,11 @@ def test_our_te_spec_trains_compiled_like_eager(tmp_path):
     # mock batches are memorized (loss ~0.08 from 8.7) the last steps differ by ~2e-3 absolute, so the absolute
     # bound is 1e-3 of the first loss
     assert compiled == pytest.approx(eager, rel=1e-2, abs=1e-3 * eager[0]), (eager, compiled)
+    reason = transformer_engine_compile_disabled()
+    if reason is not None:
+        # TE runs each module eager under torch.compile: every call breaks its layer's graph, and the frames resumed
+        # after the breaks recompile per layer kind and shape
+        assert rows["4te"]["graph_breaks"] > 0
+        pytest.xfail(f"Transformer Engine's compiled path is off here ({reason}): its modules break the graph")
+    assert rows["4te"]["graph_breaks"] == 0, rows["4te"]
     assert rows["4te"]["recompiles"] == 0, rows["4te"]["recompile_reasons"]

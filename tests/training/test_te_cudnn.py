@@ -40,3 +40,31 @@ def test_same_version_or_no_te_passes(monkeypatch, versions):
 def test_torchs_version_is_decoded_as_major_minor():
     torch_version, _ = te_cudnn.cudnn_versions()
     assert torch_version[0] >= 8 and 0 <= torch_version[1] < 100
+
+
+def _fake_transformer_engine(monkeypatch, reason):
+    """A stand-in for TE's packages: `utils` holds the reason its custom-op registration recorded."""
+    import sys
+    import types
+
+    names = ["transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.dynamo",
+             "transformer_engine.pytorch.dynamo.custom_op", "transformer_engine.pytorch.utils"]
+    modules = {name: types.ModuleType(name) for name in names}
+    modules["transformer_engine.pytorch.utils"]._compile_disabled_reason = reason
+    for parent, child in zip(names, names[1:3]):
+        setattr(modules[parent], child.rsplit(".", 1)[1], modules[child])
+    modules["transformer_engine.pytorch"].utils = modules["transformer_engine.pytorch.utils"]
+    modules["transformer_engine.pytorch.dynamo"].custom_op = modules["transformer_engine.pytorch.dynamo.custom_op"]
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize("reason", ["could not register OpaqueValueBundle as an opaque type", None])
+def test_tes_compile_path_reports_the_reason_te_recorded(monkeypatch, reason):
+    _fake_transformer_engine(monkeypatch, reason)
+    assert te_cudnn.transformer_engine_compile_disabled() == reason
+
+
+def test_without_te_its_compile_path_has_no_reason(monkeypatch):
+    monkeypatch.setattr(te_cudnn, "transformer_engine_usable", lambda: False)
+    assert te_cudnn.transformer_engine_compile_disabled() is None
