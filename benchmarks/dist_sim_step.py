@@ -103,6 +103,13 @@ def plan_summary(model, rank: int) -> dict | None:
             "padding": plans[0].padding()}
 
 
+def micro_batches_per_rank(args, world: int) -> int:
+    """--micro-batches as given, or the share of --global-batch sequences that one of `world` ranks runs."""
+    if args.global_batch is None:
+        return args.micro_batches
+    return args.global_batch // world
+
+
 def run(base, key: str, world: int, rank: int, args) -> dict:
     from megatron.core import parallel_state as ps
 
@@ -110,7 +117,7 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
     from megatron_muon.training.data import MicroBatches, build_train_dataset
 
     label, name, newton_schulz_start, high_priority = VARIANTS[key]
-    micro = args.micro_batches
+    micro = micro_batches_per_rank(args, world)
     recipe = replace(base, optimizer=replace(base.optimizer, name=name, **SCHEDULES.get(key, {})),
                      parallel=replace(base.parallel, data_parallel_size=world, overlap_grad_reduce=True,
                                       use_distributed_optimizer=True),
@@ -249,12 +256,18 @@ def stream_overlap(run_step) -> dict:
             "side_ms_alongside_main": sum(overlapped(e) for e in side) / 1e3}
 
 
+def _batch_words(meta: dict) -> str:
+    if meta.get("global_batch") is None:
+        return f"{meta['micro_batches']} micro-batch(es)"
+    return f"a global batch of {meta['global_batch']} sequences: global batch / W micro-batches"
+
+
 def write_report(path: Path, rows: list[dict], meta: dict) -> None:
     lines = [f"# One {meta['device']} as one rank of a W-way data-parallel step: {meta['recipe']}", "",
              f"- date: {meta['date']}; code: {meta['revision']}; device: {meta['device']}; "
              + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
              f"- command: `{meta['command']}`",
-             f"- {meta['micro_batches']} micro-batch(es) of one {meta['seq_length']}-token sequence per rank per step; "
+             f"- {_batch_words(meta)} of one {meta['seq_length']}-token sequence per rank per step; "
              f"{meta['steps']} steps, medians of the last {meta['steps'] - meta['warmup']}; gradient reduce "
              "bucketed as in the backward (overlap_grad_reduce); collectives replaced by local copies of their "
              "bytes (fake process group: no network time)", "",
@@ -308,6 +321,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rank", type=int, default=0, help="which rank of the W this GPU plays")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per step")
+    parser.add_argument("--global-batch", type=int, default=None, metavar="SEQUENCES",
+                        help="sequences per step over all W ranks (each rank runs global batch / W micro-batches): "
+                             "every W at the same batch; replaces --micro-batches")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/dist_sim_step.md"))
@@ -336,6 +352,9 @@ def main(argv=None) -> None:
     keys = [k for k in args.variants.split(",") if k]
     if any(k not in VARIANTS for k in keys) or not 0 < args.warmup < args.steps:
         raise SystemExit(f"variants must be among {', '.join(VARIANTS)} and 0 < --warmup < --steps")
+    if args.global_batch is not None and any(args.global_batch % w or args.global_batch < w for w in args.world):
+        raise SystemExit(f"--global-batch {args.global_batch} must be a positive multiple of every --world "
+                         f"({' '.join(map(str, args.world))}): each rank runs global batch / W micro-batches")
     if args.cpu:
         from megatron_muon._cpu import enable_cpu_mode
 
@@ -357,7 +376,8 @@ def main(argv=None) -> None:
     meta = {"recipe": args.recipe, "overrides": args.set,
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
             "steps": args.steps, "warmup": args.warmup, "seq_length": recipe.model.seq_length,
-            "micro_batches": args.micro_batches, "deterministic": args.deterministic,
+            "micro_batches": args.micro_batches, "global_batch": args.global_batch,
+            "deterministic": args.deterministic,
             "revision": args.revision or git_revision(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python " + " ".join(sys.argv), "versions": package_versions()}
