@@ -1,5 +1,6 @@
 """On a CUDA GPU: the whole GatedDeltaNet layer (row-aligned in_proj GEMM, FLA conv / chunk / norm kernels) against
-the same layer on the torch backend, outputs and every gradient, in bf16 at the benchmark's sizes (shared autotune)."""
+the same layer on the torch backend, outputs and every gradient, in bf16 at the benchmark's sizes (shared autotune)
+and at Qwen3-Next's GDN heads (16 q/k heads, 32 value heads of 128: GVA)."""
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ MAX_ERROR_RATIO = 0.01
 GATE_MAX_ERROR_RATIO = 0.02
 
 
-def _layer():
+def _layer(key_heads, value_heads, key_dim, value_dim):
     import torch.nn.functional as F
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
@@ -25,8 +26,9 @@ def _layer():
     from megatron_muon.specs import gdn_mixer_spec
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=2048, num_attention_heads=16, linear_num_key_heads=6, linear_num_value_heads=6,
-        linear_key_head_dim=256, linear_value_head_dim=512, linear_conv_kernel_dim=4, normalization="RMSNorm",
+        num_layers=1, hidden_size=2048, num_attention_heads=16, linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads, linear_key_head_dim=key_dim, linear_value_head_dim=value_dim,
+        linear_conv_kernel_dim=4, normalization="RMSNorm",
         layernorm_epsilon=1e-6, activation_func=F.silu, add_bias_linear=False, bf16=True,
         params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, gradient_accumulation_fusion=False,
         hidden_dropout=0.0, attention_dropout=0.0,
@@ -50,9 +52,12 @@ def _fwd_bwd(layer, x, grad_out):
     return out.detach(), grads
 
 
-def test_layer_on_fla_matches_torch_backend(single_gpu_model_parallel):
-    layer = _layer()
-    assert layer.in_proj.weight.shape[0] % 64, "the case must exercise the row-padded in_proj GEMM"
+@pytest.mark.parametrize("key_heads, value_heads, key_dim, value_dim", [(6, 6, 256, 512), (16, 32, 128, 128)],
+                         ids=["hybrid-1.5b", "qwen3-next-gva"])
+def test_layer_on_fla_matches_torch_backend(single_gpu_model_parallel, key_heads, value_heads, key_dim, value_dim):
+    layer = _layer(key_heads, value_heads, key_dim, value_dim)
+    if key_heads == value_heads:
+        assert layer.in_proj.weight.shape[0] % 64, "the case must exercise the row-padded in_proj GEMM"
     generator = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(SEQ_LEN, 1, 2048, device="cuda", dtype=torch.bfloat16, generator=generator)
     grad_out = torch.randn(SEQ_LEN, 1, 2048, device="cuda", generator=generator)
