@@ -72,9 +72,10 @@ def emit_markdown(lines: list[str], out=None) -> str:
     return text
 
 
-def gdn_chunk_inputs(batch: int, seq_len: int, heads: int, key_dim: int, value_dim: int, seed: int = 0):
-    """GDN chunk-kernel inputs on the GPU, as FLA's kernels see them: q, k (unit rows), w, u, do, dv (bf16) and g
-    (FLA's chunk-local cumulative log2 gate, fp32)."""
+def gdn_chunk_inputs(batch: int, seq_len: int, heads: int, key_dim: int, value_dim: int, seed: int = 0,
+                     value_heads: int | None = None):
+    """GDN chunk-kernel inputs on the GPU, as FLA's kernels see them: q, k (unit rows, `heads`), w, u, do, dv (bf16,
+    `value_heads`, default `heads`) and g (FLA's chunk-local cumulative log2 gate, fp32, `value_heads`)."""
     import torch.nn.functional as F
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
@@ -82,9 +83,11 @@ def gdn_chunk_inputs(batch: int, seq_len: int, heads: int, key_dim: int, value_d
     torch.manual_seed(seed)
     q = F.normalize(torch.randn(batch, seq_len, heads, key_dim, device="cuda"), dim=-1).bfloat16()
     k = F.normalize(torch.randn(batch, seq_len, heads, key_dim, device="cuda"), dim=-1).bfloat16()
-    w = (torch.randn(batch, seq_len, heads, key_dim, device="cuda") * 0.05).bfloat16()
-    u, do, dv = (torch.randn(batch, seq_len, heads, value_dim, device="cuda").bfloat16() for _ in range(3))
-    g = chunk_local_cumsum(-torch.rand(batch, seq_len, heads, device="cuda") * 0.1, chunk_size=64, scale=RCP_LN2)
+    value_heads = value_heads or heads
+    w = (torch.randn(batch, seq_len, value_heads, key_dim, device="cuda") * 0.05).bfloat16()
+    u, do, dv = (torch.randn(batch, seq_len, value_heads, value_dim, device="cuda").bfloat16() for _ in range(3))
+    g = chunk_local_cumsum(-torch.rand(batch, seq_len, value_heads, device="cuda") * 0.1, chunk_size=64,
+                           scale=RCP_LN2)
     return q, k, w, u, do, dv, g
 
 
