@@ -30,6 +30,7 @@ from bench_env import free_memory, git_revision, package_versions  # noqa: E402
 from e2e_report import write_profile, write_report  # noqa: E402
 from e2e_rungs import Rung, build_upstream_model, build_upstream_te_model, parse_rungs  # noqa: E402
 
+from megatron_muon.ops.backend import fla_own_backward_refusal  # noqa: E402
 from megatron_muon.ops.kernel_choice import set_gdn_kernels  # noqa: E402
 from megatron_muon.training.te_cudnn import transformer_engine_compile_disabled  # noqa: E402
 
@@ -148,6 +149,11 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     recipe = rung_recipe(base_recipe, rung)
     row = {"rung": rung.key, "label": rung.label, "optimizer": rung.optimizer, "compiled": rung.compiled,
            "compile_scope": recipe.training.compile_scope if rung.compiled else None}
+    refusal = fla_own_backward_refusal() if rung.spec.startswith("upstream") and ctx.device.type == "cuda" else None
+    if refusal is not None:  # megatron-core's GDN calls FLA directly: say so now, not after building and a forward
+        print(f"rung {rung.key} not run: {refusal}", flush=True)
+        return {**row, "error": f"not run: {refusal}"[:300], "wall_s": 0.0,
+                "measured": f"{time.strftime('%Y-%m-%d %H:%M')} {args.revision}"}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     free_memory()

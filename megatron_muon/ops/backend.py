@@ -163,6 +163,16 @@ def _require_fla(hw: Hardware) -> None:
         )
 
 
+def fla_own_backward_refusal() -> str | None:
+    """Why FLA's own GDN chunk op (what megatron-core's GatedDeltaNet calls directly, without our kernels) stops in
+    its first backward here, or None where it runs: Hopper with 3.4 <= Triton < 3.7.1 and no TileLang."""
+    hw = hardware()
+    if hw.fla_triton_correct or _fla_will_use_tilelang():
+        return None
+    return (f"FLA's own gated GDN backward refuses {hw.device_name} with Triton {hw.triton_version} (FLA issue "
+            "#640): " + _tilelang_missing_message(hw))
+
+
 def _fla_will_use_tilelang() -> bool:
     """Whether FLA's own dispatch sends the gated chunk_bwd_dqkwg to TileLang (package + nvcc + FLA's switch)."""
     from fla.ops.common.backends import CommonTileLangBackend

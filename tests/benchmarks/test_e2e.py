@@ -21,6 +21,25 @@ def test_parse_rungs():
         parse_rungs("4,7")
 
 
+def test_an_upstream_rung_that_fla_would_stop_is_reported_without_building(monkeypatch):
+    """megatron-core's GDN calls FLA directly: where FLA refuses its own backward (Hopper, Triton < 3.7.1, no
+    TileLang) the rung says so at once instead of after building the model and a forward."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    import e2e
+
+    from megatron_muon.training.recipes import load_recipe
+
+    monkeypatch.setattr(e2e, "fla_own_backward_refusal", lambda: "FLA refuses here: pip install tilelang==0.1.15")
+    monkeypatch.setattr(e2e, "build_rung", lambda *a, **k: pytest.fail("an upstream rung FLA refuses was built"))
+    ctx = SimpleNamespace(device=torch.device("cuda"))
+    rows = [e2e.run_rung(load_recipe("tiny-cpu", []), rung, ctx, Namespace(revision="abc"), None)
+            for rung in parse_rungs("1te,3")]
+    assert all(row["error"].startswith("not run: FLA refuses here") for row in rows), rows
+    assert rows[0]["measured"].endswith("abc")
+
+
 def test_only_the_te_rungs_build_our_spec_on_transformer_engine():
     """A machine with TE installed must not turn the local rungs into TE ones (the spec's `auto` would)."""
     from e2e import rung_recipe

@@ -127,3 +127,19 @@ def test_selection_is_made_once_and_reported(monkeypatch):
     assert backend.selected_backend() == "torch"
     assert backend.selected_backend() == "torch"
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("capability, triton, tilelang, refused", [
+    ((9, 0), "3.6.0", False, True),   # Hopper, miscompiling Triton, no TileLang: FLA stops in its first backward
+    ((9, 0), "3.6.0", True, False),   # FLA routes the backward to TileLang
+    ((9, 0), "3.7.1", False, False),  # fixed Triton
+    ((8, 0), "3.6.0", False, False),  # not Hopper
+])
+def test_flas_own_backward_refusal_is_named_before_a_run(monkeypatch, capability, triton, tilelang, refused):
+    """What megatron-core's GatedDeltaNet (FLA called directly, none of our kernels) meets on this machine."""
+    _tilelang(monkeypatch, tilelang)
+    monkeypatch.setattr(backend, "hardware", lambda: _hw(capability, triton))
+    reason = backend.fla_own_backward_refusal()
+    assert (reason is not None) == refused
+    if refused:
+        assert "Triton 3.6.0" in reason and "pip install tilelang==0.1.15" in reason
