@@ -12,7 +12,7 @@ FLA's Triton kernel forms dsᵀ by transposing ds, a tensor in the tensor-core a
 3.7.0 miscompiles on Hopper (FLA issue #640; FLA routes it to TileLang there). This kernel computes dsᵀ as its own
 product, v·doᵀ, instead: a [BT, BT] product beside three [BT, BK] ones per value block.
 One program per (key block, chunk, value head); with more value heads than query/key heads (GVA) a value head reads
-its group's q and k, as in FLA. the key blocks of a chunk run next to each other, so the chunk's value-side
+its group's q and k, as in FLA. The key blocks of a chunk run next to each other, so the chunk's value-side
 tiles (do, v, dv) come from L2 after the first. dg is written per key block and summed. On an H200 at the
 hybrid-1.5B shape it is faster than FLA's call, which runs TileLang there (docs/design/gdn_kernels.md).
 """
