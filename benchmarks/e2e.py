@@ -215,6 +215,11 @@ def main(argv=None) -> None:
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/megatron_muon_e2e_data"))
     parser.add_argument("--revision", default=None,
                         help="code revision recorded with each rung (default: `git describe` of this checkout)")
+    parser.add_argument("--autotune-table", type=Path, default=None,
+                        help="pin the Triton autotune choices of this table before the first rung (a cold start "
+                             "then compiles one config per kernel and key: compare first_steps_s)")
+    parser.add_argument("--write-autotune-table", type=Path, default=None,
+                        help="write the autotune choices of every rung run here to this file at the end")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         raise SystemExit(f"--warmup must be in [0, --steps), got warmup={args.warmup} steps={args.steps}")
@@ -244,11 +249,21 @@ def main(argv=None) -> None:
             "date": time.strftime("%Y-%m-%d"), "te_compile_disabled": transformer_engine_compile_disabled(),
             **package_versions()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.autotune_table is not None:
+        from megatron_muon.training.autotune import pin_table
+
+        meta["autotune_table_pinned"] = pin_table(args.autotune_table)
+        print(f"autotune table {args.autotune_table}: {meta['autotune_table_pinned']}", flush=True)
     for rung in rungs:
         profile = args.out.with_name(args.out.stem + f"_profile_rung{rung.key}.md") \
             if rung.key in profiled else None
         rows[rung.key] = run_rung(recipe, rung, ctx, args, profile)
         write_report(args.out, json_path, rows, meta)  # after every rung: a run cut short keeps its numbers
+    if args.write_autotune_table is not None:
+        from megatron_muon.kernels import autotune_table
+
+        print(f"{autotune_table.write(args.write_autotune_table)} autotune choices written to "
+              f"{args.write_autotune_table}", flush=True)
     shutdown_distributed()
 
 

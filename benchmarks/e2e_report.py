@@ -59,6 +59,8 @@ def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None
         f"- recipe `{meta['recipe']}` {' '.join(meta['overrides'])}; {meta['steps']} steps per rung, "
         f"timing = median of the steps after the first {meta['warmup']}",
         *(f"- command: `{command}`" for command in meta.get("commands") or [meta["command"]]),
+        *([f"- Triton autotune choices pinned from a table before the first rung: "
+           f"{meta['autotune_table_pinned']}"] if meta.get("autotune_table_pinned") else []),
         *([f"- Transformer Engine's compiled path is off here (its modules run eager under torch.compile, a graph "
            f"break each): {meta['te_compile_disabled']}"] if meta.get("te_compile_disabled") else []),
         "- steps run back to back as in megatron's loop and are timed by CUDA events on the stream; rows measured "

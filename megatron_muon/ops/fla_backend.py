@@ -11,6 +11,7 @@ Imports are lazy: this module is only touched when a CUDA op runs with an FLA ba
 """
 
 import functools
+import importlib.util
 
 import torch
 
@@ -111,6 +112,13 @@ def _forward_states(k, w, u, g_cumsum, initial_state, output_final_state, cu_seq
         k=k, w=w, u=u, g=g_cumsum, initial_state=initial_state, output_final_state=output_final_state,
         chunk_size=CHUNK_SIZE, state_v_first=STATE_V_FIRST, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
     )
+
+
+def prepare_autotuners() -> None:
+    """Give FLA's autotuners the configs our backend adds, before anything pins choices into them (an autotune
+    table's choice of an added config is only pinned once the config is in the kernel's list)."""
+    if importlib.util.find_spec("fla") is not None and importlib.util.find_spec("triton") is not None:
+        _extend_dhu_autotune()
 
 
 @functools.cache

@@ -28,6 +28,7 @@ from megatron_muon.training.model import (
 )
 from megatron_muon.training.optimizer_setup import lr_scheduler, optimizer_config, sharded_optimizer
 from megatron_muon.training.preemption import StopOnSignal
+from megatron_muon.training.autotune import pin_run_table, write_run_table
 from megatron_muon.training.report import JsonlLog, format_step, plot_run, read_jsonl
 from megatron_muon.training.step_timer import StepTimer
 from megatron_muon.training.validation import data_parallel_size, model_shape
@@ -199,6 +200,8 @@ def _start_run(recipe: Recipe, ctx: RunContext) -> _Run:
     config.grad_scale_func = optimizer.scale_loss
 
     start_step, notes = _resume(recipe, resume_step, saved, model, optimizer, scheduler)
+    autotune_note = pin_run_table(recipe, on_gpu=ctx.device.type == "cuda")
+    notes += [autotune_note] if autotune_note else []
     if recipe.data.path:  # before megatron indexes an embedding row the vocabulary lacks
         from megatron_muon.training.corpus import check_token_ids
 
@@ -357,6 +360,8 @@ def pretrain(recipe: Recipe, ctx: RunContext, evaluate: Callable[[Any], dict[str
             done = step + 1
             if done == start_step + 1:
                 _log_memory(run, bar)
+                if ctx.is_main:
+                    write_run_table(recipe, on_gpu=ctx.device.type == "cuda")
             stop_now = stop.agreed()  # the exit signal on any rank: log, save and end after this step, on every rank
             log_now = done % recipe.logging.log_interval == 0 or done == train.train_iters or stop_now
             save_now = bool(recipe.checkpoint.save and (stop_now or recipe.checkpoint.save_interval

@@ -167,6 +167,9 @@ def _validate_training(recipe: Recipe) -> None:
     _one_of("training.compile_mode", train.compile_mode, COMPILE_MODES)
     _one_of("training.compile_scope", train.compile_scope, COMPILE_SCOPES)
     _one_of("training.exit_signal", train.exit_signal, EXIT_SIGNALS)
+    _require(train.autotune_table in ("auto", "none") or Path(train.autotune_table).is_file(),
+             f"training.autotune_table: {train.autotune_table} is not a file; give the autotune_table.json an "
+             "earlier run wrote into its output directory, or auto / none.")
     _one_of("optimizer.lr_decay_style", opt.lr_decay_style, DECAY_STYLES)
     from megatron_muon.megatron.nonfinite_check import NONFINITE_CHECKS
     from megatron_muon.megatron.owner_optimizer import NEWTON_SCHULZ_STARTS

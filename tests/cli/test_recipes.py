@@ -85,6 +85,7 @@ def test_scaled_out_layouts():
         (["parallel.sequence_parallel=true"], 1, "sequence_parallel needs"),
         (["optimizer.lr_warmup_iters=1000"], 1, "lr_warmup_iters"),
         (["optimizer.muon_nonfinite_check=never"], 1, "'optimizer.muon_nonfinite_check' must be one of before_update"),
+        (["training.autotune_table=/nonexistent/table.json"], 1, "is not a file; give the autotune_table.json"),
     ],
 )
 def test_bad_input_is_one_clear_sentence(overrides, world_size, message):
