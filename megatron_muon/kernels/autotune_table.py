@@ -36,10 +36,10 @@ def _autotuner_inside(obj):
     return None
 
 
-def autotuners(prefixes: tuple[str, ...] = MODULE_PREFIXES) -> dict[str, object]:
+def autotuners(prefixes: tuple[str, ...] | None = None) -> dict[str, object]:
     """'module:attribute' -> Autotuner for every autotuned kernel in the loaded modules whose names start with one
     of `prefixes`, named where its function is defined (one name however many modules import it)."""
-    found = {}
+    found, prefixes = {}, prefixes or MODULE_PREFIXES
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith(prefixes):
             continue
@@ -67,7 +67,7 @@ def _plain(key: tuple) -> bool:
     return all(isinstance(part, (int, float, str, bool)) or part is None for part in key)
 
 
-def record(device_name: str | None = None, prefixes: tuple[str, ...] = MODULE_PREFIXES) -> dict:
+def record(device_name: str | None = None, prefixes: tuple[str, ...] | None = None) -> dict:
     """The choices every loaded autotuner has made so far in this process (keys of plain values: ints, strings)."""
     device, triton_version = _device_and_triton(device_name)
     kernels = {}
@@ -79,9 +79,23 @@ def record(device_name: str | None = None, prefixes: tuple[str, ...] = MODULE_PR
     return {"format": FORMAT, "device": device, "triton": triton_version, "kernels": kernels}
 
 
-def write(path: str | Path, device_name: str | None = None, prefixes: tuple[str, ...] = MODULE_PREFIXES) -> int:
-    """Write this process's choices to `path` (JSON); returns how many (kernel, key) choices it holds."""
-    table = record(device_name, prefixes)
+def merge(tables: list[dict]) -> dict:
+    """One table holding every (kernel, key) choice of `tables` (each rank's, say: pipeline stages run different
+    kernels); where two hold the same key, the first one's choice."""
+    merged = {**tables[0], "kernels": {}}
+    for table in tables:
+        assert (table["device"], table["triton"]) == (merged["device"], merged["triton"]), "tables of other machines"
+        for name, entries in table["kernels"].items():
+            known = merged["kernels"].setdefault(name, [])
+            keys = {json.dumps(entry["key"]) for entry in known}
+            known.extend(entry for entry in entries if json.dumps(entry["key"]) not in keys)
+    return merged
+
+
+def write(path: str | Path, table: dict | None = None, device_name: str | None = None,
+          prefixes: tuple[str, ...] | None = None) -> int:
+    """Write `table` (default: this process's choices) to `path` as JSON; returns how many choices it holds."""
+    table = table if table is not None else record(device_name, prefixes)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return sum(len(entries) for entries in table["kernels"].values())

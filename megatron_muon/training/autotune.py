@@ -1,7 +1,7 @@
 """The run's autotune table (`kernels/autotune_table.py`): pinned before the first step, written after it.
 
 `training.autotune_table`: "auto" (the default) pins `<output_dir>/autotune_table.json` when an earlier run left
-one there, and writes this run's choices there after its first step (on a GPU, from the main rank), so a restart,
+one there, and writes this run's choices there after its first step (on GPUs: every rank's, merged), so a restart,
 or a job on a node whose Triton caches are cold, compiles one config per kernel and key instead of timing them all.
 A path pins that file (and still writes to the run's directory); "none" does neither.
 """
@@ -46,12 +46,22 @@ def pin_run_table(recipe: Recipe, on_gpu: bool) -> str | None:
     return f"autotune table {path}: {counts['pinned']} kernel choices pinned{stale}"
 
 
-def write_run_table(recipe: Recipe, on_gpu: bool) -> Path | None:
-    """After the first step: this process's autotune choices into the run's directory (main rank, GPU)."""
+def write_run_table(recipe: Recipe, on_gpu: bool, is_main: bool = True) -> Path | None:
+    """After the first step: every rank's autotune choices (pipeline stages run different kernels), merged into
+    the run's directory by the main rank. A collective where several ranks run: every rank calls it."""
+    import torch.distributed as dist
+
     from megatron_muon.kernels import autotune_table
 
     if recipe.training.autotune_table == "none" or not on_gpu:
         return None
+    table = autotune_table.record()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        tables = [None] * dist.get_world_size()
+        dist.all_gather_object(tables, table)
+        table = autotune_table.merge(tables)
+    if not is_main:
+        return None
     path = Path(recipe.output_dir) / TABLE_FILE
-    autotune_table.write(path)
+    autotune_table.write(path, table)
     return path

@@ -360,8 +360,7 @@ def pretrain(recipe: Recipe, ctx: RunContext, evaluate: Callable[[Any], dict[str
             done = step + 1
             if done == start_step + 1:
                 _log_memory(run, bar)
-                if ctx.is_main:
-                    write_run_table(recipe, on_gpu=ctx.device.type == "cuda")
+                write_run_table(recipe, on_gpu=ctx.device.type == "cuda", is_main=ctx.is_main)  # collective
             stop_now = stop.agreed()  # the exit signal on any rank: log, save and end after this step, on every rank
             log_now = done % recipe.logging.log_interval == 0 or done == train.train_iters or stop_now
             save_now = bool(recipe.checkpoint.save and (stop_now or recipe.checkpoint.save_interval

@@ -54,3 +54,34 @@ def test_the_first_step_writes_the_runs_table_on_gpus_unless_off(tmp_path):
     assert autotune.table_to_pin(_recipe(tmp_path, "none")) is None
     path = autotune.write_run_table(_recipe(tmp_path), on_gpu=True)
     assert path == tmp_path / autotune.TABLE_FILE and json.loads(path.read_text())["format"] == autotune_table.FORMAT
+
+
+def test_tables_merge_every_kernel_and_key_once():
+    def table(kernels):
+        return {"format": autotune_table.FORMAT, "device": "GPU X", "triton": "3", "kernels": kernels}
+
+    first = {"key": [1], "config": {"BLOCK": 16}}
+    merged = autotune_table.merge([table({"m:a": [first]}),
+                                   table({"m:a": [{"key": [1], "config": {"BLOCK": 64}}, {"key": [2], "config": {}}],
+                                          "m:b": [first]})])
+    assert merged["kernels"] == {"m:a": [first, {"key": [2], "config": {}}], "m:b": [first]}
+
+
+def _write_on_rank(rank, world_size, output_dir):
+    """Each rank pretends its pipeline stage ran another key of the test kernel; the main rank writes the union."""
+    _autotuned.double.cache.clear()
+    _autotuned.double.cache[(1000 + rank, "torch.float32", "torch.float32")] = _autotuned.CONFIGS[rank]
+    prefixes = autotune_table.MODULE_PREFIXES
+    autotune_table.MODULE_PREFIXES = ("tests.kernels._autotuned",)  # the test kernel stands for ours and FLA's
+    try:
+        path = autotune.write_run_table(_recipe(output_dir), on_gpu=True, is_main=rank == 0)
+    finally:
+        autotune_table.MODULE_PREFIXES = prefixes
+        _autotuned.double.cache.clear()
+    return None if path is None else str(path)
+
+
+def test_every_ranks_choices_reach_the_runs_table(rank_pool_2, tmp_path):
+    assert rank_pool_2.run(_write_on_rank, str(tmp_path)) == [str(tmp_path / autotune.TABLE_FILE), None]
+    entries = json.loads((tmp_path / autotune.TABLE_FILE).read_text())["kernels"]["tests.kernels._autotuned:double"]
+    assert sorted(entry["key"][0] for entry in entries) == [1000, 1001]
