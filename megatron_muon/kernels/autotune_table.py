@@ -81,10 +81,12 @@ def record(device_name: str | None = None, prefixes: tuple[str, ...] | None = No
 
 def merge(tables: list[dict]) -> dict:
     """One table holding every (kernel, key) choice of `tables` (each rank's, say: pipeline stages run different
-    kernels); where two hold the same key, the first one's choice."""
+    kernels); where two hold the same key, the first one's choice; tables of another GPU model or Triton version
+    than the first are left out (a table describes one)."""
     merged = {**tables[0], "kernels": {}}
     for table in tables:
-        assert (table["device"], table["triton"]) == (merged["device"], merged["triton"]), "tables of other machines"
+        if (table["device"], table["triton"]) != (merged["device"], merged["triton"]):
+            continue
         for name, entries in table["kernels"].items():
             known = merged["kernels"].setdefault(name, [])
             keys = {json.dumps(entry["key"]) for entry in known}

@@ -65,6 +65,8 @@ def test_tables_merge_every_kernel_and_key_once():
                                    table({"m:a": [{"key": [1], "config": {"BLOCK": 64}}, {"key": [2], "config": {}}],
                                           "m:b": [first]})])
     assert merged["kernels"] == {"m:a": [first, {"key": [2], "config": {}}], "m:b": [first]}
+    other_gpu = {**table({"m:c": [first]}), "device": "GPU Y"}
+    assert autotune_table.merge([table({}), other_gpu])["kernels"] == {}
 
 
 def _write_on_rank(rank, world_size, output_dir):
