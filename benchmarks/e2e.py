@@ -141,6 +141,10 @@ def compile_stats() -> dict:
             "compile_phases_s": {name: round(value, 2) for name, value in phases}}
 
 
+def _measured(args) -> str:
+    return f"{time.strftime('%Y-%m-%d %H:%M')} {args.revision}"
+
+
 def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> dict:
     from megatron_muon.metrics import MfuCalculator, peak_tflops
     from megatron_muon.training.data import MicroBatches, build_train_dataset
@@ -153,7 +157,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     if refusal is not None:  # megatron-core's GDN calls FLA directly: say so now, not after building and a forward
         print(f"rung {rung.key} not run: {refusal}", flush=True)
         return {**row, "error": f"not run: {refusal}"[:300], "wall_s": 0.0,
-                "measured": f"{time.strftime('%Y-%m-%d %H:%M')} {args.revision}"}
+                "measured": _measured(args)}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     free_memory()
@@ -195,7 +199,7 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     finally:
         _restore_attention_environment(attention_environment)
     row["wall_s"] = time.perf_counter() - start
-    row["measured"] = f"{time.strftime('%Y-%m-%d %H:%M')} {args.revision}"
+    row["measured"] = _measured(args)
     del model, optimizer
     free_memory()
     print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)

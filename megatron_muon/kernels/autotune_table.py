@@ -114,10 +114,11 @@ def pin(table: dict | str | Path, device_name: str | None = None) -> dict[str, i
                          "this version (megatron_muon.kernels.autotune_table.write)")
     total = sum(len(entries) for entries in table["kernels"].values())
     counts = {"pinned": 0, "stale": 0, "other_machine": 0}
-    if (table["device"], table["triton"]) != _device_and_triton(device_name):
+    here = _device_and_triton(device_name)
+    if (table["device"], table["triton"]) != here:
         counts["other_machine"] = total
         _logger.info("autotune table from %s / Triton %s not used here (%s / Triton %s)", table["device"],
-                     table["triton"], *_device_and_triton(device_name))
+                     table["triton"], *here)
         return counts
     for name, entries in table["kernels"].items():
         tuner = _find(name)
