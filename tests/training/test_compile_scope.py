@@ -1,6 +1,6 @@
 """`training.compile_scope: layer`: an 8-layer "GGG*" hybrid (6 GDN, 2 attention layers) compiled layer by layer
 traces one graph per distinct layer kind plus the loss's, not one per layer, with no graph breaks and no recompiles
-over two steps, and the model's loss and every gradient equal the eager model's. aot_eager as in
+over two steps, and the model's loss and every gradient equal the eager model's (in float64). aot_eager as in
 tests/specs/test_compile.py (Inductor's code generation is not under test)."""
 
 import functools
@@ -32,7 +32,8 @@ def _layer_scope_case(rank, world_size, batch):
     from tests.layers.gdn_cases import gdn_config
 
     init_model_parallel(tp=1)
-    model = build_hybrid_model(gdn_config(num_layers=8), "GGG*", vocab_size=VOCAB, max_seq_len=64)
+    config = gdn_config(num_layers=8, params_dtype=torch.float64)
+    model = build_hybrid_model(config, "GGG*", vocab_size=VOCAB, max_seq_len=64)
     tokens = torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(5))
     eager_loss, names, eager_grads = _loss_and_grads(model, tokens)
     with _dynamo_enabled():
@@ -55,17 +56,18 @@ def _layer_scope_case(rank, world_size, batch):
 
 # Micro batch 1 is megatron's usual one: the embedding then hands the first layer [s, 1, h] with the batch stride
 # of its [1, s, h] source, which a stride guard would count as a recompile.
-@pytest.mark.parametrize("batch, gate_tolerance", [(1, 5e-3), (2, 1e-3)])
-def test_layer_scope_traces_one_graph_per_layer_kind(rank_pool_1, batch, gate_tolerance):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_layer_scope_traces_one_graph_per_layer_kind(rank_pool_1, batch):
+    # float64: in fp32 the gate gradients' cancellation over 8 layers magnifies rounding-order differences (the gated
+    # norm's order differs in compiled graphs) into machine-dependent 5e-3 to 9e-3 at batch 1; in fp64 what is left
+    # comes from megatron's fp32 cross entropy (measured 8e-8, gate gradients 3e-5 at batch 1, 3e-7 at batch 2)
     result = rank_pool_1.run(functools.partial(_layer_scope_case, batch=batch))[0]
     assert result["kinds"] == 2
     assert result["regions"] == ["GatedDeltaNet_layer_0", "SelfAttention_layer_1", "loss"]
     assert result["frames"] == result["kinds"] + 1, result  # not 8 + 1: same-kind layers share their graph
     assert result["breaks"] == 0 and result["recompiles"] == 0, result
-    # tolerances as tests/specs/test_compile.py (the gated norm's order differs in compiled graphs); the gate
-    # gradients' cancellation depends on the batch (measured 2.9e-3 at batch 1, under 1e-3 at batch 2)
-    assert result["mismatch"] < 1e-5, result
-    assert result["gate_mismatch"] < gate_tolerance, result
+    assert result["mismatch"] < 1e-6, result
+    assert result["gate_mismatch"] < 1e-3, result
 
 
 def test_unknown_scope_and_a_model_without_layers_name_the_fix():
