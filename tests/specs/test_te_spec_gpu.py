@@ -108,7 +108,7 @@ def test_te_spec_loss_and_every_gradient_as_close_to_fp32_as_the_local_specs(sin
     for key, (local_error, te_error) in errors.items():
         assert torch.isfinite(te_grads[key]).all(), f"{key}: non-finite gradient"
         bound = MAX_ERROR_FACTOR * local_error + ERROR_FLOOR
-        assert te_error < bound, f"{key}: TE's error ratio {te_error:.2e} >= {bound:.2e} (local bf16's {local_error:.2e})"
+        assert te_error < bound, f"{key}: TE's error {te_error:.2e} >= {bound:.2e} (local bf16's {local_error:.2e})"
 
     with torch.no_grad():
         report = attention_kernels_that_ran(te, tokens, torch.arange(SEQ, device="cuda").expand(2, -1), None)
