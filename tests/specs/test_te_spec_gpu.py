@@ -102,8 +102,8 @@ def test_te_spec_loss_and_every_gradient_as_close_to_fp32_as_the_local_specs(sin
     te_loss_error = abs(float(te_loss) - float(reference_loss))
     assert te_loss_error <= MAX_ERROR_FACTOR * local_loss_error + 1e-3 * float(reference_loss), \
         (float(reference_loss), float(local_loss), float(te_loss))
-    errors = {key: (error_ratio(reference_grads[key], local_grads[key]), error_ratio(reference_grads[key], te_grads[key]))
-              for key in reference_grads}
+    errors = {key: (error_ratio(expected, local_grads[key]), error_ratio(expected, te_grads[key]))
+              for key, expected in reference_grads.items()}
     print("gradient error ratios against fp32 (local bf16, TE bf16):",
           {k: f"{a:.2e} {b:.2e}" for k, (a, b) in sorted(errors.items())})
     for key, (local_error, te_error) in errors.items():
