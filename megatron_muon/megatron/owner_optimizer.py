@@ -39,8 +39,8 @@ from torch.profiler import record_function
 from megatron_muon.megatron.nonfinite_check import (
     DEFAULT_NONFINITE_CHECK,
     PendingNorm,
-    check_nonfinite_choice,
     raise_if_a_norm_was_non_finite,
+    resolve_nonfinite_check,
 )
 from megatron_muon.optimizer.speculation_graphs import static_factor
 from megatron_muon.optimizer.wave_muon import WaveMuon
@@ -87,13 +87,14 @@ class OwnerMuonOptimizer(LayerWiseDistributedOptimizer):
     speculation from a CUDA graph once its inputs have repeated (`SpeculationGraphs`), so the CPU thread launches
     one graph instead of its kernels. `nonfinite_check` (`nonfinite_check.NONFINITE_CHECKS`): whether a non-finite
     gradient norm stops the step before any update (`before_update`, a host read of the norm) or is reported by the
-    next step (`next_step`, no host read where the update does not depend on the norm)."""
+    next step (`next_step`, no host read where the update does not depend on the norm); `auto` picks `next_step` where
+    megatron's DDP already stops non-finite gradients in the backward (`check_for_nan_in_grad`)."""
 
     def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None,
                  newton_schulz_start: str = DEFAULT_NEWTON_SCHULZ_START, graph_newton_schulz: bool = False,
                  nonfinite_check: str = DEFAULT_NONFINITE_CHECK):
         _check_start(newton_schulz_start)
-        self.nonfinite_check = check_nonfinite_choice(nonfinite_check)
+        self.nonfinite_check = resolve_nonfinite_check(nonfinite_check, model_chunks or [])
         self._pending_norms: list[PendingNorm] = []  # next_step: norms not yet checked on the host
         if not config.bf16:  # megatron's layer-wise optimizer wraps bf16 only; fp32/fp64 get megatron's FP32 wrapper
             fns = init_state_fn_list or [None] * len(optimizers)

@@ -23,7 +23,7 @@ def uses_owner_engine(optimizer: str, use_distributed_optimizer: bool) -> bool:
 
 
 def wrap_in_ddp(model, config, *, use_distributed_optimizer: bool, owner_layout: bool, overlap_grad_reduce: bool = False,
-                bucket_size: int | None = None, overlap_param_gather: bool = False):
+                bucket_size: int | None = None, overlap_param_gather: bool = False, check_for_nan_in_grad: bool = False):
     """megatron DDP with fp32 gradient buffers (fp64 ones for fp64 models); `owner_layout`: Muon matrices tagged
     and laid out by owner (megatron_muon.megatron.owner_layout), what `muon` with the distributed optimizer needs."""
     from megatron.core import parallel_state as ps
@@ -32,7 +32,7 @@ def wrap_in_ddp(model, config, *, use_distributed_optimizer: bool, owner_layout:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=config.params_dtype != torch.float64, overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer or owner_layout, bucket_size=bucket_size,
-        overlap_param_gather=overlap_param_gather,
+        overlap_param_gather=overlap_param_gather, check_for_nan_in_grad=check_for_nan_in_grad,
     )
     layout = None
     if owner_layout:
@@ -56,7 +56,8 @@ def build_training_setup(
     **optimizer_overrides: Any,
 ):
     """Model wrapped the way megatron's pretrain does it (Float16Module for bf16, then DDP) plus its optimizer.
-    `ddp_overrides`: `wrap_in_ddp` options (overlap_grad_reduce, bucket_size, overlap_param_gather)."""
+    `ddp_overrides`: `wrap_in_ddp` options (overlap_grad_reduce, bucket_size, overlap_param_gather,
+    check_for_nan_in_grad)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module

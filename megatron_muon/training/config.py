@@ -60,6 +60,9 @@ class ParallelSection:
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False  # with the distributed optimizer: gather each bucket in the next forward
+    # megatron's DDP checks each bucket's gradient for NaN/Inf before reducing it (a host read per bucket; on by
+    # default in Megatron-LM's pretrain_*.py, off in megatron-core's DDP config)
+    check_for_nan_in_grad: bool = False
 
 
 @dataclass
@@ -103,8 +106,9 @@ class OptimizerSection:
     # with the distributed optimizer: where each owner starts its Newton–Schulz ("backward_end", "bucket", "step")
     muon_newton_schulz_start: str = "backward_end"
     # with the distributed optimizer: a non-finite gradient norm stops the step before any update ("before_update",
-    # the host reads the norm) or is reported by the next step ("next_step": the host does not wait for the backward)
-    muon_nonfinite_check: str = "before_update"
+    # the host reads the norm) or is reported by the next step ("next_step": the host does not wait for the backward);
+    # "auto": next_step where parallel.check_for_nan_in_grad already stops it in the backward, else before_update
+    muon_nonfinite_check: str = "auto"
     # replay Muon's momentum stacks and Newton–Schulz from CUDA graphs once their tensors repeat (bit-identical)
     muon_graph_newton_schulz: bool = False
     one_pass_adamw: bool = True  # AdamW's clip factor, update and bf16 model copy in one pass where Triton runs

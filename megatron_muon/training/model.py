@@ -185,6 +185,7 @@ def wrap_model(module, config, recipe: Recipe, fast_main_grad_add: bool = True, 
         overlap_grad_reduce=recipe.parallel.overlap_grad_reduce,
         use_distributed_optimizer=distributed,
         overlap_param_gather=recipe.parallel.overlap_param_gather and distributed,
+        check_for_nan_in_grad=recipe.parallel.check_for_nan_in_grad,
     )
     if recipe.training.precision in ("bf16", "fp16"):
         module = Float16Module(config, module)

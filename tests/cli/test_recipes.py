@@ -84,7 +84,7 @@ def test_scaled_out_layouts():
         (["parallel.data_parallel_size=4"], 2, "launch that many processes"),
         (["parallel.sequence_parallel=true"], 1, "sequence_parallel needs"),
         (["optimizer.lr_warmup_iters=1000"], 1, "lr_warmup_iters"),
-        (["optimizer.muon_nonfinite_check=never"], 1, "'optimizer.muon_nonfinite_check' must be one of before_update"),
+        (["optimizer.muon_nonfinite_check=never"], 1, "'optimizer.muon_nonfinite_check' must be one of auto, before_update"),
         (["training.autotune_table=/nonexistent/table.json"], 1, "is not a file; give the autotune_table.json"),
     ],
 )

@@ -279,6 +279,59 @@ def test_with_the_norm_checked_next_step_a_nan_step_is_reported_by_the_next(rank
         assert "before_update" in result["message"]
 
 
+def _nan_stopped_by_megatrons_ddp_check(rank, world_size):
+    from megatron_muon.testing.models import forward_backward, synthetic_batch
+
+    with one_thread():
+        model, optimizer = build(1, 1, "dist_muon", "fp32", "gpt", clip_grad=1.0,
+                                 ddp_overrides={**OVERLAP, "check_for_nan_in_grad": True})
+        owner = owner_optimizers(optimizer)[0]
+        train_step(model, optimizer, 0)
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        momenta = [engine._momentum_buffer(p).clone() for engine in owner.engines
+                   for g in engine.param_groups for p in g["params"]]
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        weight = dict(model.named_parameters())["module.decoder.layers.0.mlp.linear_fc2.weight"]
+        poison = weight.register_hook(lambda grad: grad * float("nan"))  # on every rank: none waits in a collective
+        message = None
+        try:
+            forward_backward(model, [synthetic_batch(8 + 2 * rank + i, micro_batch_size=2) for i in range(2)])
+            optimizer.step()
+        except RuntimeError as error:
+            message = str(error)
+        poison.remove()
+        unchanged = all(torch.equal(before[name], p) for name, p in model.named_parameters()) and all(
+            torch.equal(m, engine._momentum_buffer(p)) for m, (engine, p) in zip(
+                momenta, [(engine, p) for engine in owner.engines for g in engine.param_groups for p in g["params"]]))
+        return {"check": owner.nonfinite_check, "message": message, "unchanged": unchanged}
+
+
+def test_auto_trusts_megatrons_ddp_nan_check_which_stops_a_nan_gradient_before_any_update(rank_pool_2):
+    """With megatron's `check_for_nan_in_grad` on, `auto` drops the host's read of the norm before the update: the
+    NaN gradient stops the step in the backward, before its bucket's reduce-scatter, with nothing updated."""
+    for result in rank_pool_2.run(_nan_stopped_by_megatrons_ddp_check):
+        assert result["check"] == "next_step"
+        assert result["message"] and "found NaN in local grad norm" in result["message"], result
+        assert result["unchanged"], "a parameter or momentum changed although the step was stopped"
+
+
+def test_auto_resolves_from_the_ddp_config_of_every_chunk():
+    from types import SimpleNamespace
+
+    from megatron_muon.megatron.nonfinite_check import resolve_nonfinite_check
+
+    def chunk(checked):
+        return SimpleNamespace(ddp_config=SimpleNamespace(check_for_nan_in_grad=checked))
+
+    assert resolve_nonfinite_check("auto", [chunk(True), chunk(True)]) == "next_step"
+    assert resolve_nonfinite_check("auto", [chunk(True), chunk(False)]) == "before_update"
+    assert resolve_nonfinite_check("auto", []) == "before_update"  # no chunks: nothing known to check
+    assert resolve_nonfinite_check("auto", [object()]) == "before_update"  # not DDP-wrapped
+    assert resolve_nonfinite_check("before_update", [chunk(True)]) == "before_update"
+    assert resolve_nonfinite_check("next_step", []) == "next_step"
+
+
 def test_pending_norms_are_checked_once_they_arrive_and_all_before_a_save():
     from megatron_muon.megatron.nonfinite_check import raise_if_a_norm_was_non_finite
 
@@ -304,7 +357,7 @@ def test_pending_norms_are_checked_once_they_arrive_and_all_before_a_save():
 def test_an_unknown_nonfinite_check_names_the_choices():
     from megatron_muon.megatron.nonfinite_check import check_nonfinite_choice
 
-    with pytest.raises(ValueError, match="optimizer.muon_nonfinite_check.*before_update.*next_step"):
+    with pytest.raises(ValueError, match="optimizer.muon_nonfinite_check.*auto.*before_update.*next_step"):
         check_nonfinite_choice("never")
 
 

@@ -99,7 +99,8 @@ def test_owner_plan_settings_name_the_fix():
 
 
 def test_the_recipes_nonfinite_check_reaches_the_owner_engine_through_megatrons_config(rank_pool_1):
-    assert all(rank_pool_1.run(_owner_nonfinite_check))
+    for checks in rank_pool_1.run(_owner_nonfinite_check):
+        assert checks == [True] * 5, checks
 
 
 def _owner_nonfinite_check(rank, world_size):
@@ -115,15 +116,20 @@ def _owner_nonfinite_check(rank, world_size):
     megatron_muon.register()
     init_model_parallel(tp=1)
     checks = []
-    for value in ("before_update", "next_step"):
+    # (recipe's choice, megatron's DDP NaN check) -> what the engine runs; auto trusts megatron's check when it is on
+    for value, ddp_check, expected in (("before_update", False, "before_update"), ("next_step", False, "next_step"),
+                                       ("auto", False, "before_update"), ("auto", True, "next_step"),
+                                       ("before_update", True, "before_update")):
         recipe = load_recipe("tiny-cpu", ["parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+                                          f"parallel.check_for_nan_in_grad={str(ddp_check).lower()}",
                                           f"optimizer.muon_nonfinite_check={value}"])
         config = transformer_config(recipe, on_gpu=False)
         model = wrap_model(build_model(recipe, config), config, recipe)
         optimizer = get_megatron_optimizer(optimizer_config(recipe), [model], use_gloo_process_groups=False)
         owners = [c for c in optimizer.chained_optimizers if isinstance(c, OwnerMuonOptimizer)]
-        checks.append(len(owners) == 1 and owners[0].nonfinite_check == value)
-    return all(checks)
+        checks.append(len(owners) == 1 and owners[0].nonfinite_check == expected
+                      and model.ddp_config.check_for_nan_in_grad is ddp_check)
+    return checks
 
 
 def test_the_recipes_graph_setting_reaches_muon_through_megatrons_config():
