@@ -5,7 +5,10 @@ shape key before the first step can finish; Triton's cache keeps the compiled bi
 it, the choices, but only on the machine that made them. A table of the choices (kernel, key, config) lets another
 process (a restarted job, another node) pin each key's winner into the autotuner's own cache, so that a cold start
 compiles one config per key and times none. A choice is only ever pinned to a config of the kernel's own list (a
-stale entry is skipped) and only on the GPU model and Triton version that made it.
+stale entry is skipped) and only on the GPU model, Triton version and FLA version that made it.
+
+Tables of the reference recipes measured on the reference GPUs come with the package (`shipped_tables`), so that a
+first run there also starts without timing every config.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from pathlib import Path
 FORMAT = 1
 # modules whose autotuned kernels the table covers: ours and FLA's
 MODULE_PREFIXES = ("megatron_muon.", "fla.")
+# packages whose kernels' config lists and keys a table depends on, beside Triton's
+KERNEL_PACKAGES = ("fla-core",)
+SHIPPED_DIR = Path(__file__).with_name("autotune_tables")
 
 _logger = logging.getLogger(__name__)
 
@@ -63,6 +69,23 @@ def _device_and_triton(device_name: str | None) -> tuple[str, str]:
     return device_name, triton.__version__
 
 
+def _package_versions(names) -> dict[str, str | None]:
+    from importlib import metadata
+
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def shipped_tables() -> list[Path]:
+    """The tables that come with the package; `pin` uses each only where it was made."""
+    return sorted(SHIPPED_DIR.glob("*.json"))
+
+
 def _plain(key: tuple) -> bool:
     return all(isinstance(part, (int, float, str, bool)) or part is None for part in key)
 
@@ -76,7 +99,8 @@ def record(device_name: str | None = None, prefixes: tuple[str, ...] | None = No
                    if _plain(key)]
         if entries:
             kernels[name] = entries
-    return {"format": FORMAT, "device": device, "triton": triton_version, "kernels": kernels}
+    return {"format": FORMAT, "device": device, "triton": triton_version,
+            "packages": _package_versions(KERNEL_PACKAGES), "kernels": kernels}
 
 
 def merge(tables: list[dict]) -> dict:
@@ -106,7 +130,8 @@ def write(path: str | Path, table: dict | None = None, device_name: str | None =
 def pin(table: dict | str | Path, device_name: str | None = None) -> dict[str, int]:
     """Put each choice of `table` (a dict, or the path of a written one) into its autotuner's cache, importing the
     kernel's module where needed. Returns counts: 'pinned', 'stale' (kernel gone or config no longer in its list)
-    and 'other_machine' (every entry, when the table was made on another GPU model or Triton version)."""
+    and 'other_machine' (every entry, when the table was made on another GPU model or with another Triton, or
+    another version of a package in its `packages`)."""
     if not isinstance(table, dict):
         table = json.loads(Path(table).read_text())
     if table.get("format") != FORMAT:
@@ -115,10 +140,11 @@ def pin(table: dict | str | Path, device_name: str | None = None) -> dict[str, i
     total = sum(len(entries) for entries in table["kernels"].values())
     counts = {"pinned": 0, "stale": 0, "other_machine": 0}
     here = _device_and_triton(device_name)
-    if (table["device"], table["triton"]) != here:
+    packages = table.get("packages", {})
+    if (table["device"], table["triton"]) != here or _package_versions(packages) != packages:
         counts["other_machine"] = total
-        _logger.info("autotune table from %s / Triton %s not used here (%s / Triton %s)", table["device"],
-                     table["triton"], *here)
+        _logger.info("autotune table from %s / Triton %s / %s not used here (%s / Triton %s)", table["device"],
+                     table["triton"], packages, *here)
         return counts
     for name, entries in table["kernels"].items():
         tuner = _find(name)

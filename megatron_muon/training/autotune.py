@@ -1,9 +1,11 @@
-"""The run's autotune table (`kernels/autotune_table.py`): pinned before the first step, written after it.
+"""The run's autotune tables (`kernels/autotune_table.py`): pinned before the first step, the run's written after it.
 
-`training.autotune_table`: "auto" (the default) pins `<output_dir>/autotune_table.json` when an earlier run left
-one there, and writes this run's choices there after its first step (on GPUs: every rank's, merged), so a restart,
-or a job on a node whose Triton caches are cold, compiles one config per kernel and key instead of timing them all.
-A path pins that file (and still writes to the run's directory); "none" does neither.
+`training.autotune_table`: "auto" (the default) pins the tables that come with the package (choices measured for
+the reference recipes, used only on the GPU model and versions that made them) and then
+`<output_dir>/autotune_table.json` when an earlier run left one there (its choices win), and writes this run's
+choices there after its first step (on GPUs: every rank's, merged), so a restart, or a job on a node whose Triton
+caches are cold, compiles one config per kernel and key instead of timing them all. A path pins that file only (and
+still writes to the run's directory); "none" does neither.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from megatron_muon.training.config import Recipe
 TABLE_FILE = "autotune_table.json"
 
 
-def table_to_pin(recipe: Recipe) -> Path | None:
+def tables_to_pin(recipe: Recipe) -> list[Path]:
+    """In pinning order: a later table's choice replaces an earlier one's for the same kernel and key."""
+    from megatron_muon.kernels.autotune_table import shipped_tables
+
     setting = recipe.training.autotune_table
     if setting == "none":
-        return None
+        return []
     if setting == "auto":
         path = Path(recipe.output_dir) / TABLE_FILE
-        return path if path.exists() else None
-    return Path(setting)  # validated to exist (training.validation)
+        return shipped_tables() + ([path] if path.exists() else [])
+    return [Path(setting)]  # validated to exist (training.validation)
 
 
 def pin_table(path: str | Path) -> dict[str, int]:
@@ -35,15 +40,25 @@ def pin_table(path: str | Path) -> dict[str, int]:
 
 
 def pin_run_table(recipe: Recipe, on_gpu: bool) -> str | None:
-    """Pin the recipe's table; returns a console note, or None when there was nothing to pin."""
-    path = table_to_pin(recipe)
-    if path is None or not on_gpu:
+    """Pin the recipe's tables; returns a console note, or None when nothing was pinned or refused. A shipped table
+    made elsewhere is left out silently (it only serves its own machine)."""
+    from megatron_muon.kernels.autotune_table import SHIPPED_DIR
+
+    if not on_gpu:
         return None
-    counts = pin_table(path)
-    if counts["other_machine"]:
-        return f"autotune table {path}: made on another GPU model or Triton version, not used"
-    stale = f", {counts['stale']} no longer match their kernels" if counts["stale"] else ""
-    return f"autotune table {path}: {counts['pinned']} kernel choices pinned{stale}"
+    notes = []
+    for path in tables_to_pin(recipe):
+        counts = pin_table(path)
+        shipped = path.parent == SHIPPED_DIR
+        if counts["other_machine"]:
+            if not shipped:
+                notes.append(f"autotune table {path}: made on another GPU model or with other Triton/FLA versions, "
+                             "not used")
+            continue
+        stale = f", {counts['stale']} no longer match their kernels" if counts["stale"] else ""
+        name = f"shipped autotune table {path.name}" if shipped else f"autotune table {path}"
+        notes.append(f"{name}: {counts['pinned']} kernel choices pinned{stale}")
+    return "; ".join(notes) or None
 
 
 def write_run_table(recipe: Recipe, on_gpu: bool, is_main: bool = True) -> Path | None:

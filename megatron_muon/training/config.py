@@ -77,8 +77,8 @@ class TrainingSection:
     compile_scope: str = "layer"  # one compiled graph per distinct layer kind, shared by its layers; or "model"
     exit_signal_handler: bool | None = None  # on exit_signal: finish the step, save, end; None: on with a save dir
     exit_signal: str = "SIGTERM"  # or SIGUSR1 / SIGUSR2 / SIGINT, for jobs whose scheduler sends another signal
-    # Triton autotune choices: "auto" pins <output_dir>/autotune_table.json if there and writes it after the first
-    # step; a path pins that file; "none"
+    # Triton autotune choices: "auto" pins the package's tables made on this GPU model and versions, then
+    # <output_dir>/autotune_table.json if there, and writes it after the first step; a path pins that file; "none"
     autotune_table: str = "auto"
 
 

@@ -75,3 +75,32 @@ def test_a_table_of_another_format_is_refused_with_the_fix():
 
 def test_a_pinned_key_runs_without_timing_under_the_interpreter():
     run_under_interpreter(Path(__file__).with_name("_autotune_table_interpret_check.py"))
+
+
+def test_the_shipped_tables_name_this_packages_kernels_and_configs_of_their_own_lists():
+    """Each table that comes with the package is well formed, ships in the wheel (pyproject's package data), and
+    every choice is a config of its kernel's own list in the installed FLA and ours, so none would be stale."""
+    import tomllib
+
+    from megatron_muon.ops.fla_backend import prepare_autotuners
+
+    tables = autotune_table.shipped_tables()
+    assert tables, "the package ships the reference recipe's table"
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["megatron_muon.kernels"]
+    root = autotune_table.SHIPPED_DIR.parent
+    assert {path for glob in globs for path in root.glob(glob)} == set(tables)
+    prepare_autotuners()
+    for path in tables:
+        table = json.loads(path.read_text())
+        assert table["format"] == autotune_table.FORMAT and table["device"] and table["triton"]
+        assert set(table["packages"]) == set(autotune_table.KERNEL_PACKAGES)
+        for name, entries in table["kernels"].items():
+            assert name.startswith(autotune_table.MODULE_PREFIXES), name
+            if name.startswith("fla.") and table["packages"] != autotune_table._package_versions(table["packages"]):
+                continue  # another FLA (or none: CPU CI): its lists may differ, and pin() leaves the table out
+            tuner = autotune_table._find(name)
+            assert tuner is not None, f"{path.name}: {name} is not an autotuned kernel here"
+            own = [json.dumps(autotune_table._config_fields(c), sort_keys=True) for c in tuner.configs]
+            for entry in entries:
+                assert json.dumps(entry["config"], sort_keys=True) in own, (path.name, name, entry)
