@@ -55,12 +55,20 @@ VARIANTS = {  # label, optimizer, where Newton-Schulz starts (+ graphs), whether
                      "schedule", "muon", "backward_end", False),
     "ours-end-next": ("owner engine (default start), a non-finite norm reported by the next step: the host does not "
                       "read the norm before the update", "muon", "backward_end", False),
+    "adam-nancheck": ("AdamW, megatron's DDP checking each bucket's gradient for NaN/Inf (Megatron-LM's default)",
+                      "adam", "bucket", False),
+    "ours-end-nancheck": ("owner engine (defaults), megatron's DDP checking each bucket's gradient for NaN/Inf "
+                          "(Megatron-LM's default): the norm then checked by the next step", "muon", "backward_end",
+                          False),
 }
 # optimizer settings a variant changes over the recipe's: a different schedule (different results, not a speed-up
 # of the same computation; ns_schedule_training.md holds its training loss against the 5-step default), or the
 # norm kept on the device (under clipping megatron's fp32 tensor clip instead of its host double: rounding apart)
 SCHEDULES = {"ours-end-pe4": {"muon_num_ns_steps": 4, "muon_coefficient_type": "polar_express"},
              "ours-end-next": {"muon_nonfinite_check": "next_step"}}
+# parallel settings a variant changes over the recipe's
+PARALLEL_SETTINGS = {"adam-nancheck": {"check_for_nan_in_grad": True},
+                     "ours-end-nancheck": {"check_for_nan_in_grad": True}}
 
 
 def build(recipe, newton_schulz_start: str):
@@ -120,7 +128,7 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
     micro = micro_batches_per_rank(args, world)
     recipe = replace(base, optimizer=replace(base.optimizer, name=name, **SCHEDULES.get(key, {})),
                      parallel=replace(base.parallel, data_parallel_size=world, overlap_grad_reduce=True,
-                                      use_distributed_optimizer=True),
+                                      use_distributed_optimizer=True, **PARALLEL_SETTINGS.get(key, {})),
                      training=replace(base.training, micro_batch_size=1, global_batch_size=world * micro))
     row = {"variant": key, "label": label, "world": world, "rank": rank, "micro_batches": micro}
     join_fake_group(world, rank)
@@ -175,7 +183,9 @@ def run(base, key: str, world: int, rank: int, args) -> dict:
                                "disabled": next((e.graphs.disabled for e in engines if e.graphs.disabled), None)},
                        optimizer_state_gib=memory.optimizer_state_bytes / 2**30,
                        peak_gib=None if memory.peak_bytes is None else memory.peak_bytes / 2**30,
-                       plan=plan_summary(model, rank))
+                       plan=plan_summary(model, rank),
+                       nonfinite_check=next((m.nonfinite_check for m in getattr(optimizer, "chained_optimizers", [])
+                                             if hasattr(m, "nonfinite_check")), None))
     except Exception as error:  # an OOM in one variant must not hide the others
         row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
         traceback.print_exc()

@@ -39,15 +39,19 @@ def test_first_difference_names_the_step_phase_and_tensors():
 def test_traced_cpu_run_digests_every_phase(tmp_path):
     out = tmp_path / "trace.md"
     command = [sys.executable, str(REPO / "benchmarks" / "dist_sim_step.py"), "--cpu", "--recipe", "tiny-cpu",
-               "--world", "2", "--variants", "ours,ours-after,ours-end-pe4,ours-end-next", "--steps", "2",
+               "--world", "2", "--variants", "ours,ours-after,ours-end-pe4,ours-end-next,ours-end-nancheck", "--steps", "2",
                "--warmup", "1", "--trace", "--digest", "--out", str(out), "--data-dir", str(tmp_path / "data")]
     environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [row["variant"] for row in rows] == ["ours", "ours-after", "ours-end-pe4", "ours-end-next"]
+    assert [row["variant"] for row in rows] == ["ours", "ours-after", "ours-end-pe4", "ours-end-next",
+                                                "ours-end-nancheck"]
     assert rows[3]["speculation_used"] > 0 and rows[3]["speculation_discarded"] == 0
+    # the defaults under megatron's DDP NaN check take the next-step check, and the check itself changes nothing
+    assert [row["nonfinite_check"] for row in rows] == ["before_update"] * 3 + ["next_step"] * 2
+    assert rows[4]["param_digest"] == rows[3]["param_digest"] and rows[4]["losses"] == rows[3]["losses"]
     assert all("error" not in row for row in rows)
     trace = rows[0]["trace"]
     assert [(point["step"], point["stage"]) for point in trace] == [(0, "backward"), (0, "step"), (1, "backward"),
