@@ -74,6 +74,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.optimizer.layer_wise_optimizer.LayerWiseDistributedOptimizer.compute_full_param_layout",
           "Megatron-LM wraps DDP through it for `--optimizer muon --use-distributed-optimizer`: the owner layout",
           "launch"),
+    Patch("megatron.training.models.dist_utils._ddp_wrap",
+          "Megatron-LM's config-container model builder (pretrain_gpt.py's path) lacks the layer-wise DDP wiring its "
+          "get_model path has; for `--optimizer muon --use-distributed-optimizer` it now runs megatron's own "
+          "wrap_model_chunks_with_ddp (the owner layout), everything else megatron's _ddp_wrap", "launch"),
     Patch("megatron.core.optimizer.get_megatron_optimizer",
           "every optimizer a Megatron-LM script builds gets the plugin's GPU fast paths (`--no-fast-paths` keeps it)",
           "launch"),

@@ -183,10 +183,13 @@ def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp
 
 def use_owner_layout_in_megatron() -> None:
     """Make megatron's `LayerWiseDistributedOptimizer.compute_full_param_layout` (what Megatron-LM's training loop
-    calls to wrap DDP for `--optimizer muon --use-distributed-optimizer`) compute the owner layout (idempotent; the
-    one megatron name the launcher replaces for the owner engine)."""
+    calls to wrap DDP for `--optimizer muon --use-distributed-optimizer`) compute the owner layout, and make
+    Megatron-LM's config-container model builder take that wiring too (`layer_wise_ddp`); idempotent."""
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
+    from megatron_muon.megatron.layer_wise_ddp import use_layer_wise_wiring_on_the_config_path
+
+    use_layer_wise_wiring_on_the_config_path()
     if getattr(LayerWiseDistributedOptimizer.compute_full_param_layout, "_megatron_muon", False):
         return
     layout = staticmethod(compute_full_param_layout)

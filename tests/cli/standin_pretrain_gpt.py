@@ -43,6 +43,9 @@ def _recording_optimizer_builder(config, model_chunks, *args, **kwargs):
     if decoder is None:
         decoder = model_chunks[0].module.decoder
     REPORT["mixers"] = [type(layer.self_attention).__name__ for layer in decoder.layers]
+    REPORT["ddp_check_for_nan_in_grad"] = getattr(getattr(model_chunks[0], "ddp_config", None),
+                                                  "check_for_nan_in_grad", None)
+    REPORT["nonfinite_checks"] = [p.nonfinite_check for p in parts if hasattr(p, "nonfinite_check")]
     return optimizer
 
 

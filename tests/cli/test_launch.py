@@ -69,6 +69,22 @@ def test_the_fast_paths_train_through_megatron_lm_as_megatrons_own_passes(tmp_pa
     assert sum(ours["losses"][-4:]) < sum(ours["losses"][:4])
 
 
+def test_the_owner_engine_through_megatron_lm_trusts_its_default_nan_check(tmp_path):
+    """`--optimizer muon --use-distributed-optimizer` through Megatron-LM's config-container path (pretrain_gpt.py's):
+    DDP in the owner layout, the owner engine with AdamW beside it. Megatron-LM's default
+    `--check-for-nan-in-loss-and-grad` has DDP stop a NaN gradient in the backward, so the engine's `auto` check moves
+    to the next step; without megatron's check the engine reads the norm before the update."""
+    extra = ("--optimizer", "muon", "--use-distributed-optimizer", "--overlap-grad-reduce")
+    checked = _launch(tmp_path / "checked", *extra)
+    unchecked = _launch(tmp_path / "unchecked", *extra, "--no-check-for-nan-in-loss-and-grad")
+    assert (checked["ddp_check_for_nan_in_grad"], checked["nonfinite_checks"]) == (True, ["next_step"]), checked
+    assert (unchecked["ddp_check_for_nan_in_grad"], unchecked["nonfinite_checks"]) == (False, ["before_update"])
+    for report in (checked, unchecked):
+        assert report["optimizer_classes"] == ["megatron_muon.optimizer.wave_muon.WaveMuon",
+                                               "torch.optim.adamw.AdamW"], report
+        assert sum(report["losses"][-4:]) < sum(report["losses"][:4]), report["losses"]
+
+
 def test_no_fast_paths_leaves_megatrons_optimizer_as_built(tmp_path):
     report = _launch(tmp_path, "--optimizer", "adam", launch_flags=("--no-fast-paths",))
     assert report["fast_paths"] is None and report["optimizer_classes"] == ["torch.optim.adamw.AdamW"], report
