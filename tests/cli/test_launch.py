@@ -85,6 +85,31 @@ def test_the_owner_engine_through_megatron_lm_trusts_its_default_nan_check(tmp_p
         assert sum(report["losses"][-4:]) < sum(report["losses"][:4]), report["losses"]
 
 
+def _torchrun_launch(tmp_path, *extra):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    report = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), STANDIN_REPORT=str(report), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "-m", "megatron_muon.launch", "--cpu-mode", str(STANDIN), *TINY_MEGATRON_ARGS, *extra]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    return json.loads(report.read_text())
+
+
+def test_the_owner_engine_through_megatron_lm_at_dp2_trains_like_plain_muon(tmp_path):
+    """Two data-parallel ranks (torchrun, gloo): the owner engine through pretrain_gpt.py's config-container path
+    gives rank 0 the losses of plain Muon (every rank orthogonalizing every matrix) within fp32 reduction-order
+    rounding (measured 7e-6 relative)."""
+    owner = _torchrun_launch(tmp_path / "owner", "--optimizer", "muon", "--use-distributed-optimizer",
+                             "--overlap-grad-reduce")
+    plain = _torchrun_launch(tmp_path / "plain", "--optimizer", "muon", "--overlap-grad-reduce")
+    assert owner["optimizer_classes"] == ["megatron_muon.optimizer.wave_muon.WaveMuon", "torch.optim.adamw.AdamW"]
+    assert plain["optimizer_classes"][0] == "megatron_muon.optimizer.muon.Muon", plain
+    assert len(owner["losses"]) == len(plain["losses"]) == 8
+    assert owner["losses"] == pytest.approx(plain["losses"], rel=1e-4, abs=0)
+    assert sum(owner["losses"][-4:]) < sum(owner["losses"][:4]), owner["losses"]
+
+
 def test_no_fast_paths_leaves_megatrons_optimizer_as_built(tmp_path):
     report = _launch(tmp_path, "--optimizer", "adam", launch_flags=("--no-fast-paths",))
     assert report["fast_paths"] is None and report["optimizer_classes"] == ["torch.optim.adamw.AdamW"], report
