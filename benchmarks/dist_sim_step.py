@@ -43,8 +43,9 @@ VARIANTS = {  # label, optimizer, where Newton-Schulz starts (+ graphs), whether
              "bucket", False),
     "ours-graphs": ("owner engine, Newton-Schulz in the backward replayed from CUDA graphs", "muon", "bucket+graphs",
                     False),
-    "ours-end": ("owner engine (default), Newton-Schulz of all owned matrices at the backward's end, queued before "
-                 "the host reads the norm", "muon", "backward_end", False),
+    "ours-end": ("owner engine (default; without megatron's DDP NaN check the norm is read before the update), "
+                 "Newton-Schulz of all owned matrices at the backward's end, queued before the host reads the norm",
+                 "muon", "backward_end", False),
     "ours-end-graphs": ("owner engine, Newton-Schulz of all owned matrices at the backward's end replayed from one "
                         "CUDA graph", "muon", "backward_end+graphs", False),
     "ours-after": ("owner engine, Newton-Schulz after the backward", "muon", "step", False),
