@@ -27,14 +27,20 @@ TINY_MEGATRON_ARGS = [
 ]
 
 
-def _launch(tmp_path, *extra, launch_flags=(), env_extra=None):
+def _launch(tmp_path, *extra, launch_flags=(), env_extra=None, ranks=1):
+    """The stand-in script through the launcher in CPU mode, as one process or under torchrun with `ranks`."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     report = tmp_path / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), STANDIN_REPORT=str(report), OMP_NUM_THREADS="1",
-               **(env_extra or {}))
-    command = [sys.executable, "-m", "megatron_muon.launch", "--cpu-mode", *launch_flags, str(STANDIN), *TINY_MEGATRON_ARGS, *extra]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=str(REPO), STANDIN_REPORT=str(report), OMP_NUM_THREADS="1")
+    launch = ["-m", "megatron_muon.launch", "--cpu-mode", *launch_flags, str(STANDIN), *TINY_MEGATRON_ARGS, *extra]
+    if ranks == 1:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        command = [sys.executable, *launch]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+                   str(free_port()), *launch]
+    env.update(env_extra or {})
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300 * ranks)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     return json.loads(report.read_text())
 
@@ -85,24 +91,13 @@ def test_the_owner_engine_through_megatron_lm_trusts_its_default_nan_check(tmp_p
         assert sum(report["losses"][-4:]) < sum(report["losses"][:4]), report["losses"]
 
 
-def _torchrun_launch(tmp_path, *extra):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    report = tmp_path / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), STANDIN_REPORT=str(report), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "-m", "megatron_muon.launch", "--cpu-mode", str(STANDIN), *TINY_MEGATRON_ARGS, *extra]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
-    return json.loads(report.read_text())
-
-
 def test_the_owner_engine_through_megatron_lm_at_dp2_trains_like_plain_muon(tmp_path):
     """Two data-parallel ranks (torchrun, gloo): the owner engine through pretrain_gpt.py's config-container path
     gives rank 0 the losses of plain Muon (every rank orthogonalizing every matrix) within fp32 reduction-order
     rounding (measured 7e-6 relative)."""
-    owner = _torchrun_launch(tmp_path / "owner", "--optimizer", "muon", "--use-distributed-optimizer",
-                             "--overlap-grad-reduce")
-    plain = _torchrun_launch(tmp_path / "plain", "--optimizer", "muon", "--overlap-grad-reduce")
+    owner = _launch(tmp_path / "owner", "--optimizer", "muon", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                    ranks=2)
+    plain = _launch(tmp_path / "plain", "--optimizer", "muon", "--overlap-grad-reduce", ranks=2)
     assert owner["optimizer_classes"] == ["megatron_muon.optimizer.wave_muon.WaveMuon", "torch.optim.adamw.AdamW"]
     assert plain["optimizer_classes"][0] == "megatron_muon.optimizer.muon.Muon", plain
     assert len(owner["losses"]) == len(plain["losses"]) == 8

@@ -288,8 +288,8 @@ def _nan_stopped_by_megatrons_ddp_check(rank, world_size):
         owner = owner_optimizers(optimizer)[0]
         train_step(model, optimizer, 0)
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
-        momenta = [engine._momentum_buffer(p).clone() for engine in owner.engines
-                   for g in engine.param_groups for p in g["params"]]
+        owned = [(engine, p) for engine in owner.engines for g in engine.param_groups for p in g["params"]]
+        momenta = [engine._momentum_buffer(p).clone() for engine, p in owned]
         model.zero_grad_buffer()
         optimizer.zero_grad()
         weight = dict(model.named_parameters())["module.decoder.layers.0.mlp.linear_fc2.weight"]
@@ -302,8 +302,7 @@ def _nan_stopped_by_megatrons_ddp_check(rank, world_size):
             message = str(error)
         poison.remove()
         unchanged = all(torch.equal(before[name], p) for name, p in model.named_parameters()) and all(
-            torch.equal(m, engine._momentum_buffer(p)) for m, (engine, p) in zip(
-                momenta, [(engine, p) for engine in owner.engines for g in engine.param_groups for p in g["params"]]))
+            torch.equal(m, engine._momentum_buffer(p)) for m, (engine, p) in zip(momenta, owned))
         return {"check": owner.nonfinite_check, "message": message, "unchanged": unchanged}
 
 
