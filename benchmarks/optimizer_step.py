@@ -39,6 +39,8 @@ REFERENCE = [
     ("fc2", 2048, 5632, None, 24),
 ]
 VOCAB, HIDDEN, LAYERS = 32000, 2048, 24
+GDN_HEAD_ROWS = (256, 256, 512, 512, 0, 0)  # q, k per key head; v, z per value head; beta, alpha whole
+HEADS = "ours (auto, MegaBatch, heads split)"
 
 
 def reference_params(device, scale: int):
@@ -58,6 +60,9 @@ def reference_params(device, scale: int):
                 p.is_qkv, p.qkv_split_shapes = True, [max(1, s // scale) for s in sections]
                 if sum(p.qkv_split_shapes) * (p.shape[0] // sum(p.qkv_split_shapes)) != p.shape[0]:
                     p.is_qkv = False
+                heads = GDN_HEAD_ROWS if len(sections) == len(GDN_HEAD_ROWS) else None  # QKV: megatron's rule
+                if heads is not None and all(h % scale == 0 for h in heads):
+                    p.muon_head_rows = tuple(h // scale for h in heads)
             matrices.append(p)
     rest = [param(VOCAB // scale, HIDDEN // scale), param(VOCAB // scale, HIDDEN // scale)]
     rest += [param(1, HIDDEN // scale) for _ in range(2 * LAYERS + 1)]
@@ -198,6 +203,7 @@ def make_variants(has_cuda: bool):
         "ours (auto, MegaBatch, fused splits, one launch per piece)": (
             "matrices", lambda ps: _PerPieceMuon(ps, lr=0.02, scale_mode="spectral")),
         GRAPHED: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", graph_newton_schulz=True)),
+        HEADS: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", split_heads=True)),
     }
     try:
         from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS, TensorParallelMuon
@@ -232,7 +238,7 @@ def main() -> None:
     if args.only_ours:
         keep = ("fused AdamW, all params", "fused AdamW, non-matrix rest", "ours (auto, MegaBatch, fused splits)",
                 "ours (auto, MegaBatch, fused splits, fused elementwise off)",
-                "ours (auto, MegaBatch, fused splits, one launch per piece)", GRAPHED)
+                "ours (auto, MegaBatch, fused splits, one launch per piece)", GRAPHED, HEADS)
         variants = {k: v for k, v in variants.items() if k in keep}
     for name, (which, factory) in variants.items():
         for p, saved in zip(matrices + rest, snapshot):

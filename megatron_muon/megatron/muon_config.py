@@ -3,7 +3,8 @@ the owner plan's cost model.
 
 Every `muon_*` option keeps its megatron meaning: coefficient names resolve to the same schedules (and iteration
 modes) as megatron-core's emerging-optimizers backend, `muon_fp32_matmul_prec` picks the Newton–Schulz dtype,
-`muon_tp_mode` picks blockwise or TP-invariant gathering, `muon_split_qkv` the fused-projection split. The same names
+`muon_tp_mode` picks blockwise or TP-invariant gathering, `muon_split_qkv` the fused-projection split (and this
+plugin's `muon_split_heads` a split of those sections per head). The same names
 are read from megatron's `OptimizerConfig`, Megatron-LM's parsed arguments and the training recipe's optimizer
 section, so all three paths build the same settings.
 """
@@ -45,14 +46,15 @@ class MuonConfig:
     scale_mode: str = "spectral"
     extra_scale: float = 1.0
     split_fused: bool = True
+    split_heads: bool = False  # this plugin's: fused sections orthogonalized per head
     tp_mode: str = "blockwise"
     graph_newton_schulz: bool = False  # the step's stacks and NS (and the owners' speculation) from CUDA graphs
 
     @classmethod
     def from_options(cls, options) -> MuonConfig:
         """From anything carrying megatron's `muon_*` names: an OptimizerConfig, Megatron-LM's args, the recipe's
-        optimizer section (a missing name keeps megatron's default). `muon_ns_method` and `muon_graph_newton_schulz` are
-        this plugin's additions."""
+        optimizer section (a missing name keeps megatron's default). `muon_ns_method`, `muon_split_heads` and
+        `muon_graph_newton_schulz` are this plugin's additions."""
         defaults = cls()
         precision = getattr(options, "muon_fp32_matmul_prec", "medium")
         if precision not in _MATMUL_PRECISION_DTYPES:
@@ -68,6 +70,7 @@ class MuonConfig:
             scale_mode=getattr(options, "muon_scale_mode", defaults.scale_mode),
             extra_scale=getattr(options, "muon_extra_scale_factor", defaults.extra_scale),
             split_fused=getattr(options, "muon_split_qkv", defaults.split_fused),
+            split_heads=bool(getattr(options, "muon_split_heads", defaults.split_heads)),
             tp_mode=getattr(options, "muon_tp_mode", defaults.tp_mode),
             graph_newton_schulz=bool(getattr(options, "muon_graph_newton_schulz", defaults.graph_newton_schulz)),
         )
@@ -75,7 +78,8 @@ class MuonConfig:
     def muon_kwargs(self) -> dict[str, Any]:
         """`Muon` / `WaveMuon` keyword arguments for these settings."""
         return dict(momentum=self.momentum, nesterov=self.nesterov, scale_mode=self.scale_mode,
-                    extra_scale=self.extra_scale, split_fused=self.split_fused, tp_mode=self.tp_mode,
+                    extra_scale=self.extra_scale, split_fused=self.split_fused, split_heads=self.split_heads,
+                    tp_mode=self.tp_mode,
                     graph_newton_schulz=self.graph_newton_schulz,
                     **self.orthogonalizer.muon_kwargs())
 
@@ -100,9 +104,10 @@ class MainParamLayouts:
     (e.g. `muon_num_experts`) are looked up on the model parameter through its `main_param` link.
     """
 
-    def __init__(self, model_chunks, split_fused: bool):
+    def __init__(self, model_chunks, split_fused: bool, split_heads: bool = False):
         self.model_chunks = model_chunks
         self.split_fused = split_fused
+        self.split_heads = split_heads
         self._source: dict[int, torch.Tensor] = {}
 
     def _refresh(self) -> None:
@@ -120,7 +125,7 @@ class MainParamLayouts:
         source = self._source.get(id(param), param)
         if source.shape != param.shape:
             source = param
-        return matrix_layout(source, split_fused=self.split_fused)
+        return matrix_layout(source, split_fused=self.split_fused, split_heads=self.split_heads)
 
 
 def muon_kwargs_from_config(config, model_chunks, pg_collection) -> dict[str, Any]:
@@ -133,7 +138,7 @@ def muon_kwargs_from_config(config, model_chunks, pg_collection) -> dict[str, An
         weight_decay=config.weight_decay,
         weight_decay_mode="decoupled" if config.decoupled_weight_decay else "l2",
         tp_group_fn=tp_group_fn_for(pg_collection),
-        layout_fn=MainParamLayouts(model_chunks, muon.split_fused),
+        layout_fn=MainParamLayouts(model_chunks, muon.split_fused, muon.split_heads),
         # Megatron's mixed-precision wrapper owns found-inf skipping; a per-step host sync here would only cost.
         check_finite=False,
         **muon.muon_kwargs(),

@@ -18,7 +18,8 @@ import torch
 
 from megatron_muon.distributed.cost import AnalyticCost, CostModel
 from megatron_muon.distributed.owner_layout import LayoutItem, plan_owner_layout
-from megatron_muon.optimizer.routing import is_muon_param, matrix_layout, piece_matrix_shape, piece_views, tag_fused_in_proj
+from megatron_muon.optimizer.routing import (is_muon_param, matrix_layout, piece_matrix_count, piece_matrix_shape,
+                                             piece_views, tag_fused_in_proj)
 
 TAG = "is_managed_by_layer_wise_optimizer"  # megatron's attribute that splits DDP buffers (BufferKey)
 
@@ -31,11 +32,13 @@ class OwnerPlanSettings:
     `distributed.cost.CostModel` (None: the Newton–Schulz FLOPs of the job's own settings). `tokens_per_step` (per
     rank) tells the plan how long the backward runs after each bucket and counts work released early as hidden
     behind it: right where the backward leaves the GPU idle (a network-bound step), wrong where it keeps the GPU
-    busy, which is why the default (None) balances every rank's total work."""
+    busy, which is why the default (None) balances every rank's total work. `split_heads`: the optimizer
+    orthogonalizes fused sections per head (`Muon(split_heads=True)`), so the plan costs one matrix per head."""
 
     method: str = "auto"
     cost: CostModel | None = None
     tokens_per_step: int | None = None
+    split_heads: bool = False
 
     def __post_init__(self):
         if self.method not in PLAN_METHODS:
@@ -76,19 +79,20 @@ def _tp_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
 
 
-def layout_items(params, cost: CostModel, tp_size: int) -> list[LayoutItem]:
-    """One planning item per parameter: its full (unsharded) matrices' Newton–Schulz cost."""
+def layout_items(params, cost: CostModel, tp_size: int, split_heads: bool = False) -> list[LayoutItem]:
+    """One planning item per parameter: its full (unsharded) matrices' Newton–Schulz cost (a head is never sharded)."""
     items = []
     for index, param in enumerate(params):
-        layout = matrix_layout(param)
+        layout = matrix_layout(param, split_heads=split_heads)
         shapes = []
-        for piece in piece_views(param, layout):
-            rows, cols = piece_matrix_shape(piece)
-            if layout.partition_dim == 0:
+        for piece_index, piece in enumerate(piece_views(param, layout)):
+            heads = layout.piece_head_rows(piece_index)
+            rows, cols = piece_matrix_shape(piece, heads)
+            if layout.partition_dim == 0 and not heads:
                 rows *= tp_size
             elif layout.partition_dim == 1:
                 cols *= tp_size
-            shapes += [(rows, cols)] * piece.shape[0]
+            shapes += [(rows, cols)] * piece_matrix_count(piece, heads)
         kind = tuple(shapes)
         launch = sum(cost.launch_cost(shape) for shape in set(shapes))
         items.append(LayoutItem(f"param{index}", param.numel(), kind,
@@ -128,7 +132,7 @@ def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=
     from megatron.core.optimizer.param_layout import PerBufferParamLayout
 
     cost = plan_settings.cost or _default_cost()
-    items = layout_items(params, cost, _tp_size())
+    items = layout_items(params, cost, _tp_size(), plan_settings.split_heads)
     tokens = plan_settings.tokens_per_step
     # a matrix's weight and input gradients are ~4·tokens FLOPs per element, at the cost model's rate
     per_element = 4.0 * tokens / getattr(cost, "flops_per_s", AnalyticCost().flops_per_s) if tokens else 0.0

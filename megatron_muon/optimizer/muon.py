@@ -31,6 +31,7 @@ from megatron_muon.optimizer.routing import (
     describe,
     matrix_layout,
     piece_as_matrices,
+    piece_matrix_count,
     piece_matrix_shape,
     piece_views,
 )
@@ -89,6 +90,8 @@ class Muon(torch.optim.Optimizer):
         weight_decay_mode: `decoupled`, `independent` or `l2`.
         momentum_dtype: dtype of the momentum buffers (default: the parameter's).
         split_fused: orthogonalize fused QKV / GDN in_proj sections separately (megatron's `is_qkv` tags).
+        split_heads: with split_fused, orthogonalize each head of those sections on its own (q, k, v per head; GDN's
+            beta and alpha stay whole). A head is never sharded by TP, so this needs no TP gather.
         batched: stack equal shapes into one orthogonalize call (False runs one call per matrix: the reference).
         compute_dtype: Newton–Schulz iteration dtype override (default: the kernel's choice per method).
         tp_mode, tp_group_fn: for tensor-parallel shards, `duplicated`/`distributed` gather each sharded matrix
@@ -118,6 +121,7 @@ class Muon(torch.optim.Optimizer):
         weight_decay_mode: str = "decoupled",
         momentum_dtype: torch.dtype | None = None,
         split_fused: bool = True,
+        split_heads: bool = False,
         batched: bool = True,
         compute_dtype: torch.dtype | None = None,
         tp_mode: str = "duplicated",
@@ -135,6 +139,9 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if tp_mode not in TP_MODES:
             raise ValueError(f"unknown tp_mode {tp_mode!r}; valid choices: {TP_MODES}")
+        if split_heads and not split_fused:
+            raise ValueError("split_heads cuts the fused sections per head: it needs split_fused=True "
+                             "(megatron's muon_split_qkv)")
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             coefficients=coefficients, method=method, eps=eps, scale_mode=scale_mode, extra_scale=extra_scale,
@@ -142,6 +149,7 @@ class Muon(torch.optim.Optimizer):
         )
         self.momentum_dtype = momentum_dtype
         self.split_fused = split_fused
+        self.split_heads = split_heads
         self.batched = batched
         self.compute_dtype = compute_dtype
         self.tp_mode = tp_mode
@@ -183,7 +191,8 @@ class Muon(torch.optim.Optimizer):
     def _layout(self, param: torch.Tensor, name: str | None = None) -> MatrixLayout:
         if getattr(self, "layout_fn", None) is not None:
             return self.layout_fn(param)
-        return matrix_layout(param, split_fused=getattr(self, "split_fused", True), name=name)
+        return matrix_layout(param, split_fused=getattr(self, "split_fused", True),
+                             split_heads=getattr(self, "split_heads", False), name=name)
 
     def _name(self, group_index: int, param: torch.Tensor) -> str:
         group = self.param_groups[group_index]
@@ -237,10 +246,13 @@ class Muon(torch.optim.Optimizer):
         for index, (param, layout) in enumerate(zip(params, layouts)):
             group = self.param_groups[group_of[index]]
             ns_key = tuple(freeze_setting(group[k]) for k in NS_KEYS)
-            tp_group, partition_dim = self._tp_key(param, layout)
+            param_tp_key = self._tp_key(param, layout)
             wave = self._wave(param)
             for piece_index, piece in enumerate(piece_views(param, layout)):
-                shape = piece_matrix_shape(piece)
+                heads = layout.piece_head_rows(piece_index)
+                shape = piece_matrix_shape(piece, heads)
+                # TP shards rows by whole heads (megatron's column-parallel QKV / in_proj): a head is all local
+                tp_group, partition_dim = (None, None) if heads and param_tp_key[1] == 0 else param_tp_key
                 if not self.batched:
                     singles.append(Bucket(shape, group_of[index], tp_group, partition_dim, [(index, piece_index)],
                                            wave))
@@ -319,7 +331,7 @@ class Muon(torch.optim.Optimizer):
             for index, piece_index in bucket.items:
                 target = piece_views(params[index], plan.layouts[index])[piece_index]
                 model = self.model_copies.get(id(params[index]))
-                count = target.shape[0]
+                count = piece_matrix_count(target, plan.layouts[index].piece_head_rows(piece_index))
                 chunk = ortho[offset : offset + count].reshape(target.shape)
                 offset += count
                 targets, chunks, models = by_group.setdefault(group_of[index], ([], [], []))
@@ -421,16 +433,17 @@ class Muon(torch.optim.Optimizer):
         for index, piece_index in bucket.items:
             grad, buffer, ema_pending = sources[index]
             layout = plan.layouts[index]
-            pieces.append((index, piece_views(grad, layout)[piece_index], piece_views(buffer, layout)[piece_index],
-                           ema_pending))
+            grad_piece = piece_views(grad, layout)[piece_index]
+            pieces.append((index, grad_piece, piece_views(buffer, layout)[piece_index], ema_pending,
+                           piece_matrix_count(grad_piece, layout.piece_head_rows(piece_index))))
         dtype = self._stack_dtype(pieces[0][1].dtype)
-        count = sum(piece[1].shape[0] for piece in pieces)
+        count = sum(piece[-1] for piece in pieces)
         stacked = torch.empty((count, *bucket.shape), dtype=dtype, device=pieces[0][1].device)
         offset, pending = 0, []
-        for index, grad_piece, buffer_piece, ema_pending in pieces:
+        for index, grad_piece, buffer_piece, ema_pending, matrices in pieces:
             group_index = plan.group_of[index]
-            slot = stacked[offset : offset + grad_piece.shape[0]].view(grad_piece.shape)
-            offset += grad_piece.shape[0]
+            slot = stacked[offset : offset + matrices].view(grad_piece.shape)
+            offset += matrices
             group = self.param_groups[group_index]
             if ema_pending:  # each piece is in exactly one bucket: the EMA covers every buffer element once
                 pending.append((group_index, grad_piece, buffer_piece, slot))

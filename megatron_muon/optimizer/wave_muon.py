@@ -20,7 +20,7 @@ from megatron_muon.kernels.newton_schulz import work_dtype
 from megatron_muon.optimizer import fused_elementwise as fused_passes
 from megatron_muon.optimizer import fused_pieces, muon_math
 from megatron_muon.optimizer.muon import STACK_KEYS, Bucket, Muon, Plan, freeze_setting
-from megatron_muon.optimizer.routing import piece_views
+from megatron_muon.optimizer.routing import piece_matrix_count, piece_views
 from megatron_muon.optimizer.speculation_graphs import SpeculationGraphs
 
 
@@ -134,15 +134,16 @@ class WaveMuon(Muon):
                 grad = muon_math.l2_regularized([clipped], [plan.params[index]], group["weight_decay"])[0]
             layout = plan.layouts[index]
             buffer = self._momentum_buffer(plan.params[index])
-            pieces.append((group_index, piece_views(grad, layout)[piece_index],
-                           piece_views(buffer, layout)[piece_index]))
+            grad_piece = piece_views(grad, layout)[piece_index]
+            pieces.append((group_index, grad_piece, piece_views(buffer, layout)[piece_index],
+                           piece_matrix_count(grad_piece, layout.piece_head_rows(piece_index))))
         dtype = self._stack_dtype(pieces[0][1].dtype)
-        count = sum(grad.shape[0] for _, grad, _ in pieces)
+        count = sum(piece[-1] for piece in pieces)
         stacked = torch.empty((count, *bucket.shape), dtype=dtype, device=pieces[0][1].device)
         offset, slotted = 0, []
-        for group_index, grad, buffer in pieces:
-            slotted.append((group_index, grad, buffer, stacked[offset : offset + grad.shape[0]].view(grad.shape)))
-            offset += grad.shape[0]
+        for group_index, grad, buffer, matrices in pieces:
+            slotted.append((group_index, grad, buffer, stacked[offset : offset + matrices].view(grad.shape)))
+            offset += matrices
         def unclipped(group_index: int) -> bool:  # the factor is in the gradient already, or there is none
             return factor is None or self.param_groups[group_index]["weight_decay_mode"] == "l2"
 

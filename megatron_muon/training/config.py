@@ -102,6 +102,7 @@ class OptimizerSection:
     muon_scale_mode: str = "spectral"
     muon_extra_scale_factor: float = 1.0
     muon_split_qkv: bool = True
+    muon_split_heads: bool = False  # with muon_split_qkv: each head of QKV / GDN in_proj orthogonalized on its own
     muon_tp_mode: str = "blockwise"
     # with the distributed optimizer: where each owner starts its Newton–Schulz ("backward_end", "bucket", "step")
     muon_newton_schulz_start: str = "backward_end"

@@ -163,6 +163,7 @@ def _owner_layout(module, ddp_config, recipe: Recipe, owner_plan=None):
     if plan.cost is None:
         orthogonalizer = MuonConfig.from_options(recipe.optimizer).orthogonalizer  # what the optimizer will run
         plan = replace(plan, cost=AnalyticCost.for_orthogonalizer(orthogonalizer))
+    plan = replace(plan, split_heads=recipe.optimizer.muon_split_heads)
     return compute_full_param_layout(params, bucket_size, dp, ddp_config, plan_settings=plan)
 
 

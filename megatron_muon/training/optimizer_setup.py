@@ -40,6 +40,7 @@ def optimizer_config(recipe: Recipe):
     config.muon_newton_schulz_start = opt.muon_newton_schulz_start  # the owner engine's (not a megatron option)
     config.muon_graph_newton_schulz = opt.muon_graph_newton_schulz  # this plugin's (not a megatron option)
     config.muon_nonfinite_check = opt.muon_nonfinite_check  # the owner engine's (not a megatron option)
+    config.muon_split_heads = opt.muon_split_heads  # this plugin's (not a megatron option)
     return config
 
 

@@ -176,6 +176,9 @@ def _validate_training(recipe: Recipe) -> None:
 
     _one_of("optimizer.muon_newton_schulz_start", opt.muon_newton_schulz_start, NEWTON_SCHULZ_STARTS)
     _one_of("optimizer.muon_nonfinite_check", opt.muon_nonfinite_check, NONFINITE_CHECKS)
+    _require(opt.muon_split_qkv or not opt.muon_split_heads,
+             "optimizer.muon_split_heads cuts the fused QKV / GDN in_proj sections per head: set "
+             "optimizer.muon_split_qkv=true with it, or muon_split_heads=false.")
     _require(opt.lr > 0 and 0 <= opt.min_lr <= opt.lr, "optimizer.lr must be > 0 and 0 <= optimizer.min_lr <= lr.")
     decay = opt.lr_decay_iters or train.train_iters
     _require(0 <= opt.lr_warmup_iters < decay,

@@ -17,3 +17,4 @@ def test_optimizer_step_benchmark_smoke(tmp_path):
     assert "| 24 × 352 × 64 | auto: gram |" in text  # fc1 (11264 × 2048 / 32) as one stack of 24
     assert "| all stacks, summed |" in text
     assert text.count("| ours (auto, MegaBatch, fused splits, CUDA graph) |") == 2  # step table and host table
+    assert "| ours (auto, MegaBatch, heads split) |" in text  # GDN in_proj tagged with its head rows

@@ -61,6 +61,7 @@ def build_optimizer(model, name: str, precision: str, lr: float = 0.02, **muon_o
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ns_method = muon_options.pop("muon_ns_method", "standard")
+    split_heads = muon_options.pop("muon_split_heads", False)  # this plugin's option, not an OptimizerConfig field
     config = OptimizerConfig(
         optimizer=name,
         lr=lr,
@@ -75,6 +76,7 @@ def build_optimizer(model, name: str, precision: str, lr: float = 0.02, **muon_o
         **{"muon_tp_mode": "duplicated", **muon_options},
     )
     config.muon_ns_method = ns_method
+    config.muon_split_heads = split_heads
     return get_megatron_optimizer(config, [model])
 
 

@@ -142,3 +142,28 @@ def test_the_recipes_graph_setting_reaches_muon_through_megatrons_config():
     kwargs = muon_kwargs_from_config(config, [], None)
     assert kwargs["graph_newton_schulz"] is True
     assert Muon([torch.nn.Parameter(torch.zeros(4, 4))], **kwargs).graph_newton_schulz is True
+
+
+def test_the_recipes_split_heads_reaches_muon_and_needs_the_section_split():
+    from megatron_muon.training.config import RecipeError
+    from megatron_muon.training.optimizer_setup import optimizer_config
+    from megatron_muon.training.recipes import load_recipe
+    from megatron_muon.training.validation import validate
+
+    assert MuonConfig.from_options(optimizer_config(load_recipe("tiny-cpu"))).split_heads is False
+    recipe = load_recipe("tiny-cpu", ["optimizer.muon_split_heads=true"])
+    muon = MuonConfig.from_options(optimizer_config(recipe))
+    assert muon.split_heads and muon.muon_kwargs()["split_heads"]
+    with pytest.raises(RecipeError, match="muon_split_qkv=true"):
+        validate(load_recipe("tiny-cpu", ["optimizer.muon_split_heads=true", "optimizer.muon_split_qkv=false"]))
+
+
+def test_the_owner_plan_costs_one_matrix_per_head():
+    qkv = torch.nn.Parameter(torch.zeros(2 * (32 + 16 + 16), 64))
+    qkv.is_qkv, qkv.qkv_split_shapes = True, [32, 16, 16]
+    qkv.tensor_model_parallel, qkv.partition_dim = True, 0  # column-parallel: whole query groups per rank
+    cost = AnalyticCost()
+    (sections,) = owner_layout.layout_items([qkv], cost, tp_size=2)
+    (heads,) = owner_layout.layout_items([qkv], cost, tp_size=2, split_heads=True)
+    assert sorted(set(sections.kind)) == [(64, 64), (128, 64)]  # q of both groups; k, v: rows doubled over tp=2
+    assert heads.kind == ((16, 64),) * 8  # 2 groups × (2 q + 1 k + 1 v) heads, never sharded

@@ -108,3 +108,45 @@ def test_hybrid_trains_and_is_tp_invariant(rank_pool_1, rank_pool_2):
     # GDN in_proj [q 32 | k 32 | v 32 | z 32 | beta 4 | alpha 4] x 64 is orthogonalized per section.
     assert (4, 64) in single["bucket_shapes"] and (136, 64) not in single["bucket_shapes"]
     _assert_tp_invariant(rank_pool_1, rank_pool_2, "hybrid")
+
+
+@pytest.mark.parametrize("model_kind, head_shapes, section_shapes", [
+    ("gpt", [(16, 64)], [(32, 64)]),  # kv_channels 16; the q section of a query group is 2 heads (32 rows)
+    ("hybrid", [(16, 64), (8, 64)], [(32, 64)]),  # + GDN key heads of 16 and value heads of 8 rows
+])
+def test_split_heads_is_tp_invariant_without_gathering(rank_pool_1, rank_pool_2, model_kind, head_shapes,
+                                                        section_shapes):
+    """`muon_split_heads`: every head of QKV / GDN in_proj is one matrix, whole on its TP rank, and the head buckets
+    replace the sections. tp=2 equals tp=1 (fp32 iteration, 3 steps); in megatron's default blockwise mode, which
+    orthogonalizes the other sharded matrices per shard, QKV's first update (all heads) still equals tp=1's."""
+    options = dict(lr=LR, muon_fp32_matmul_prec="highest", model_kind=model_kind, muon_split_heads=True)
+    single = rank_pool_1.run(train_tiny_gpt, 1, "muon", "fp32", 3, **options)[0]
+    for shape in head_shapes:
+        assert shape in single["bucket_shapes"]
+    for shape in section_shapes:
+        assert shape not in single["bucket_shapes"]
+    split = rank_pool_2.run(train_tiny_gpt, 2, "muon", "fp32", 3, **options)[0]
+    np.testing.assert_allclose(split["losses"], single["losses"], rtol=1e-6)
+    for name, value in single["digest"].items():
+        assert split["digest"][name] == pytest.approx(value, rel=1e-6), name
+    first = rank_pool_1.run(train_tiny_gpt, 1, "muon", "fp32", 1, **options)[0]["digest"]
+    blockwise = rank_pool_2.run(train_tiny_gpt, 2, "muon", "fp32", 1, **options, muon_tp_mode="blockwise")[0]["digest"]
+    fused = [name for name in first if "linear_qkv" in name]  # GDN's in_proj keeps beta, alpha whole: per shard here
+    assert fused
+    for name in fused:
+        assert blockwise[name] == pytest.approx(first[name], rel=1e-6), name
+    assert max(abs(blockwise[k] - v) / v for k, v in first.items() if "linear_fc1" in k) > 1e-6  # blockwise differs
+    sections = rank_pool_1.run(train_tiny_gpt, 1, "muon", "fp32", 3, **{**options, "muon_split_heads": False})[0]
+    gaps = [abs(sections["digest"][k] - v) / v for k, v in single["digest"].items() if "qkv" in k or "in_proj" in k]
+    assert max(gaps) > 1e-4  # per head is a different update than per section
+
+
+def test_split_heads_on_the_owner_engine_equals_plain_muon(rank_pool_1, rank_pool_2):
+    """The owner engine (dp=2, both ranks fed the same batches) with heads split trains like plain Muon at dp=1."""
+    options = dict(lr=LR, muon_fp32_matmul_prec="highest", model_kind="hybrid", muon_split_heads=True)
+    single = rank_pool_1.run(train_tiny_gpt, 1, "muon", "fp32", 3, **options)[0]
+    replicas = rank_pool_2.run(train_tiny_gpt, 1, "dist_muon", "fp32", 3, **options)
+    assert replicas[0]["types"] == [WAVE_MUON, ADAMW]
+    np.testing.assert_allclose(replicas[0]["losses"], single["losses"], rtol=1e-6)
+    for name, value in single["digest"].items():
+        assert replicas[0]["digest"][name] == pytest.approx(value, rel=1e-6), name
