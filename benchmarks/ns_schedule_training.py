@@ -49,7 +49,9 @@ KINDS = ("gpt", "hybrid")
 VALID_EVERY, VALID_SEED = 20, 0  # the validation set is the same for every run
 SKIPPED_DIRS = {"site-packages", "dist-packages"}
 # Keys the variants set; `--set` may change anything else.
+HEADS = "+heads"  # a schedule name's suffix: the same schedule with QKV / GDN in_proj orthogonalized per head
 VARIANT_KEYS = {"optimizer.muon_coefficient_type": "--schedules", "optimizer.muon_num_ns_steps": "--schedules",
+                "optimizer.muon_split_heads": "--schedules (NAME+heads:STEPS)",
                 "model.kind": "--kinds", "training.seed": "--seeds", "data.path": "the corpus (fixed)",
                 "logging.output_dir": "--work-dir"}
 COMMON = ["model.vocab_size=256", "data.eod_id=255", "optimizer.name=muon", "logging.log_interval=1",
@@ -76,14 +78,15 @@ SIZES = {
 
 
 def parse_schedules(text: str) -> list[tuple[str, int]]:
-    """'simple:5,cans:4' -> [('simple', 5), ('cans', 4)], checked against the coefficient table."""
+    """'simple:5,cans:4,simple+heads:5' -> [('simple', 5), ('cans', 4), ('simple+heads', 5)], checked against the
+    coefficient table (`+heads`: per-head orthogonalization of the fused projections)."""
     from megatron_muon.kernels.coefficients import COEFFICIENT_SETS
 
     schedules = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         name, _, steps = item.partition(":")
-        if name not in COEFFICIENT_SETS or not steps.isdigit() or int(steps) < 1:
-            raise ValueError(f"--schedules entry '{item}' must be NAME:STEPS with NAME one of "
+        if name.removesuffix(HEADS) not in COEFFICIENT_SETS or not steps.isdigit() or int(steps) < 1:
+            raise ValueError(f"--schedules entry '{item}' must be NAME:STEPS or NAME{HEADS}:STEPS with NAME one of "
                              f"{', '.join(sorted(COEFFICIENT_SETS))} and STEPS >= 1, e.g. polar_express:4")
         schedules.append((name, int(steps)))
     if BASELINE not in schedules:
@@ -157,9 +160,10 @@ def variant_recipe(size: str, kind: str, schedule: tuple[str, int], seed: int, t
 
     check_overrides(user)
     name, steps = schedule
-    run_dir = work_dir / f"{kind}_{name}{steps}_seed{seed}"
+    run_dir = work_dir / f"{kind}_{name.replace(HEADS, '_heads')}{steps}_seed{seed}"
     overrides = [*COMMON, *SIZES[size]["common"], *SIZES[size][kind], *user, f"model.kind={kind}",
-                 f"optimizer.muon_coefficient_type={name}", f"optimizer.muon_num_ns_steps={steps}",
+                 f"optimizer.muon_coefficient_type={name.removesuffix(HEADS)}", f"optimizer.muon_num_ns_steps={steps}",
+                 f"optimizer.muon_split_heads={str(name.endswith(HEADS)).lower()}",
                  f"training.seed={seed}", f"data.path=[{train_prefix}]", f"data.cache_dir={work_dir / 'data_cache'}",
                  f"logging.output_dir={run_dir}"]
     return validate(load_recipe("tiny-cpu", overrides), 1)

@@ -12,7 +12,8 @@ FINAL_WINDOW = 0.1  # the train loss reported: the mean over the last 10% of ste
 
 
 def label(name: str, steps: int) -> str:
-    return f"{name}×{steps}"
+    base, heads, _ = name.partition("+heads")
+    return f"{base}×{steps}" + (" per head" if heads else "")
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:

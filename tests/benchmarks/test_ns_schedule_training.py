@@ -17,9 +17,10 @@ from ns_schedule_training_report import summarize  # noqa: E402
 
 def test_schedules_and_seeds_are_checked_with_the_fix_named():
     assert parse_schedules("simple:5, cans:4") == [("simple", 5), ("cans", 4)]
+    assert parse_schedules("simple:5,simple+heads:5") == [("simple", 5), ("simple+heads", 5)]
     with pytest.raises(ValueError, match="must include simple:5"):
         parse_schedules("polar_express:4")
-    with pytest.raises(ValueError, match="NAME:STEPS with NAME one of"):
+    with pytest.raises(ValueError, match="NAME:STEPS or NAME[+]heads:STEPS with NAME one of"):
         parse_schedules("simple:5,polar:4")
     with pytest.raises(ValueError, match="twice"):
         parse_schedules("simple:5,simple:5")
@@ -31,6 +32,20 @@ def test_schedules_and_seeds_are_checked_with_the_fix_named():
 def test_set_may_not_change_what_the_variants_vary(tmp_path):
     with pytest.raises(ValueError, match="choose it with --schedules"):
         variant_recipe("tiny", "gpt", ("simple", 5), 1, "unused", tmp_path, ["optimizer.muon_num_ns_steps=3"])
+
+
+def test_a_heads_schedule_splits_heads_with_the_same_coefficients(tmp_path):
+    from ns_schedule_training_report import label
+
+    prefix = tmp_path / "text"
+    for suffix in (".bin", ".idx"):  # validation checks that the dataset's files exist
+        prefix.with_suffix(suffix).touch()
+    heads = variant_recipe("tiny", "hybrid", ("polar_express+heads", 4), 1, str(prefix), tmp_path, [])
+    whole = variant_recipe("tiny", "hybrid", ("polar_express", 4), 1, str(prefix), tmp_path, [])
+    assert heads.optimizer.muon_split_heads and not whole.optimizer.muon_split_heads
+    assert heads.optimizer.muon_coefficient_type == whole.optimizer.muon_coefficient_type == "polar_express"
+    assert heads.logging.output_dir != whole.logging.output_dir
+    assert label("polar_express+heads", 4) == "polar_express×4 per head"
 
 
 def test_the_validation_split_is_other_files_chosen_by_name():

@@ -95,6 +95,22 @@ def test_gdn_layers_tag_their_head_rows():
     assert matrix_layout(layer.in_proj.weight, split_heads=True).head_rows == (4, 4, 2, 2, 0, 0)
 
 
+def test_megatrons_gdn_layer_is_tagged_from_its_own_head_dims():
+    """megatron's GatedDeltaNet names its sections `in_proj_split_sections` and its head dims on itself."""
+
+    class MegatronGDN(torch.nn.Module):
+        key_head_dim, value_head_dim = 4, 2
+        in_proj_split_sections = (8, 8, 8, 8, 4, 4)
+
+        def __init__(self):
+            super().__init__()
+            self.in_proj = torch.nn.Linear(COLS, 40, bias=False)
+
+    layer = MegatronGDN()
+    tag_fused_in_proj(layer)
+    assert layer.in_proj.weight.muon_head_rows == (4, 4, 2, 2, 0, 0)
+
+
 def test_head_pieces_cover_the_section_in_order():
     """A head piece is the section's own view cut into [matrices, head rows, cols]: same elements, same order."""
     param = _gdn_in_proj()
