@@ -6,9 +6,11 @@ method (`kernels/flops.py`) against the model's training FLOPs (`metrics/flops.p
 is orthogonalized once, on one rank: the busiest rank's NS work is the longest processing time of the pieces over W
 ranks (LPT), and its share of the rank's step is that over the rank's training FLOPs for its sequences. The share
 bounds the step ratio against AdamW when NS is not hidden and runs at the model's FLOP rate; the last columns give
-the sequences per rank at which it falls to 2% and 3%.
+the sequences per rank at which it falls to 2% and 3%. `--split-heads` adds each recipe's rows with the fused
+projections orthogonalized per head (`muon_split_heads`), a different optimizer whose FLOPs this counts, not its
+training quality.
 
-    python benchmarks/muon_flop_share.py --out benchmarks/results/muon_flop_share.md
+    python benchmarks/muon_flop_share.py --split-heads --out benchmarks/results/muon_flop_share.md
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from megatron_muon.metrics.flops import training_flops_per_token  # noqa: E402
 H200_DENSE_FP16_TFLOPS = 989.0  # NVIDIA's spec sheet, without sparsity
 
 
-def muon_piece_shapes(recipe_name: str) -> collections.Counter:
+def muon_piece_shapes(recipe_name: str, split_heads: bool = False) -> collections.Counter:
     """(rows, cols) -> count of the matrices the owner engine orthogonalizes for the recipe (tp = pp = 1)."""
     from megatron_muon.megatron.owner_layout import tag_fused_projections
-    from megatron_muon.optimizer.routing import is_muon_param, matrix_layout, piece_matrix_shape, piece_views
+    from megatron_muon.optimizer.routing import (is_muon_param, matrix_layout, piece_matrix_count, piece_matrix_shape,
+                                                 piece_views)
     from megatron_muon.training.model import build_model, transformer_config
     from megatron_muon.training.recipes import load_recipe
 
@@ -46,8 +49,10 @@ def muon_piece_shapes(recipe_name: str) -> collections.Counter:
     shapes: collections.Counter = collections.Counter()
     for name, param in model.named_parameters():
         if is_muon_param(param, name):
-            for piece in piece_views(param, matrix_layout(param, name=name)):
-                shapes[piece_matrix_shape(piece)] += piece.shape[0]  # one matrix per expert
+            layout = matrix_layout(param, split_heads=split_heads, name=name)
+            for index, piece in enumerate(piece_views(param, layout)):
+                heads = layout.piece_head_rows(index)  # one matrix per expert, or per expert and head
+                shapes[piece_matrix_shape(piece, heads)] += piece_matrix_count(piece, heads)
     return shapes
 
 
@@ -60,19 +65,19 @@ def busiest_rank_flops(piece_flops: list[int], world: int) -> int:
     return max(loads)
 
 
-def rows_for(recipe_name: str, worlds, sequences) -> list[dict]:
+def rows_for(recipe_name: str, worlds, sequences, split_heads: bool = False) -> list[dict]:
     from megatron_muon.training.recipes import load_recipe
     from megatron_muon.training.validation import model_shape
 
     recipe = load_recipe(recipe_name)
-    shapes = muon_piece_shapes(recipe_name)
+    shapes = muon_piece_shapes(recipe_name, split_heads)
     piece_flops = [flops(m, n, "auto") for (m, n), count in shapes.items() for _ in range(count)]
     per_sequence = training_flops_per_token(model_shape(recipe)) * recipe.model.seq_length
     rows = []
     for world in worlds:
         busiest = busiest_rank_flops(piece_flops, world)
         for count in sequences:
-            rows.append(dict(recipe=recipe_name, world=world, sequences=count, pieces=len(piece_flops),
+            rows.append(dict(recipe=recipe_name + (" (per head)" if split_heads else ""), world=world, sequences=count, pieces=len(piece_flops),
                              ns_total_tflop=sum(piece_flops) / 1e12, ns_rank_tflop=busiest / 1e12,
                              train_rank_tflop=per_sequence * count / 1e12, share=busiest / (per_sequence * count),
                              ns_ms_at_peak=busiest / (H200_DENSE_FP16_TFLOPS * 1e9),
@@ -102,6 +107,8 @@ def main(argv=None) -> str:
     parser.add_argument("--recipes", nargs="+", default=["hybrid-1.5b-h200", "gpt-7b-h200"])
     parser.add_argument("--world", nargs="+", type=int, default=[4, 8, 64, 256])
     parser.add_argument("--sequences", nargs="+", type=int, default=[1, 8], help="sequences per rank per step")
+    parser.add_argument("--split-heads", action="store_true",
+                        help="also count each recipe with QKV / GDN in_proj orthogonalized per head")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if any(w < 1 for w in args.world) or any(s < 1 for s in args.sequences):
@@ -118,7 +125,8 @@ def main(argv=None) -> str:
     enable_cpu_mode()
     init_model_parallel(1, 1)
     try:
-        rows = [row for name in args.recipes for row in rows_for(name, args.world, args.sequences)]
+        rows = [row for name in args.recipes for heads in ((False, True) if args.split_heads else (False,))
+                for row in rows_for(name, args.world, args.sequences, heads)]
     finally:
         destroy_model_parallel()
         if created:
