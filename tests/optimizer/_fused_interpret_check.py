@@ -319,6 +319,7 @@ def check_muon(generator, steps: int = 3) -> None:
         dict(dtype=torch.float32, nesterov=True, weight_decay_mode="decoupled"),
         dict(dtype=torch.float32, nesterov=False, weight_decay_mode="independent", momentum_dtype=torch.bfloat16),
         dict(dtype=torch.float32, nesterov=True, weight_decay_mode="l2"),
+        dict(dtype=torch.float32, nesterov=True, weight_decay_mode="decoupled", split_heads=True),  # QKV per head
         # torch's CPU foreach multiply rounds the decay factor to bf16 (0.998 -> 0.996): compare without decay
         dict(dtype=torch.bfloat16, nesterov=True, weight_decay_mode="decoupled", weight_decay=0.0),
     ]
