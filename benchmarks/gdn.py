@@ -16,8 +16,9 @@ parameter layout, so ours is also checked against megatron-core's output on the 
 --chunk-op times the chunk op alone instead of the layer: ours (FlashQLA turned off and, where it runs, dispatched to
 FlashQLA), FLA's own kernels and FlashQLA called directly, on one input (gdn_chunk_op.py).
 
---profile adds, for our compiled layer and FLA's eager layer, a torch.profiler table of the kernels that take the
-most time per fwd+bwd step (CPU ops when run on the CPU), so the report shows where the time goes.
+--profile adds, for our compiled layer and FLA's eager layer (with --chunk-op: our chunk op and FlashQLA's), a
+torch.profiler table of the kernels that take the most time per fwd+bwd step (CPU ops when run on the CPU), so the
+report shows where the time goes.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import package_versions  # noqa: E402
-from gdn_chunk_op import (against_flashqla, chunk_op_inputs, chunk_op_variants, make_chunk_step,  # noqa: E402
-                          output_agreement)
+from gdn_chunk_op import (REFERENCE_VARIANT, against_flashqla, chunk_op_inputs, chunk_op_variants,  # noqa: E402
+                          make_chunk_step, output_agreement)
 
 REFERENCE = dict(hidden=2048, key_heads=6, value_heads=6, key_dim=256, value_dim=512, conv=4)
 QWEN3_NEXT = dict(hidden=2048, key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv=4)
 TINY = dict(hidden=64, key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv=4)
 SIZES = {"hybrid-1.5b": REFERENCE, "qwen3-next": QWEN3_NEXT, "tiny": TINY}
-PROFILED = ("ours compiled", "fla eager")
+PROFILED = ("ours compiled", "fla eager", "ours chunk op", REFERENCE_VARIANT)
 PROFILE_STEPS = 3
 
 
@@ -359,7 +360,7 @@ def main() -> None:
         inputs = chunk_op_inputs(sizes, args.seq_len, device)
         variants = [v for v in chunk_op_variants(inputs, device) if wanted(v[0])]
         for name, forward, setup in variants:
-            record(run_variant(name, make_chunk_step(forward, setup, inputs), device, args))
+            record(run_variant(name, make_chunk_step(forward, setup, inputs), device, args, profiles=profiles))
         meta["agreement_of"], meta["agreement"] = "outputs o on the same input", output_agreement(variants, inputs)
         write_report(args.out, rows, meta, args)
         return

@@ -7,6 +7,9 @@ The input is what the layer feeds the op: q and unit-norm k [B=1, T, H, K], v [1
   FlashQLA through our chunk op       megatron_muon.ops.chunk_gated_delta_rule where FlashQLA runs it (installed,
                                       Hopper, bf16, K = V = 128)
   ours chunk op                       the same call with FlashQLA turned off: our kernels, chunk states kept
+  ours chunk op (STAGES)              the same with other kernels per stage (`ops/kernel_choice`): FLA's state
+                                      recurrences or output gradients, our Triton states, or FLA's everywhere (our
+                                      op still keeping the chunk states), so each stage's choice is measured
   fla chunk op                        fla.ops.gated_delta_rule.chunk_gated_delta_rule with FLA_FLASH_QLA=0, so FLA
                                       runs its own kernels rather than handing the call to FlashQLA
 """
@@ -20,9 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_muon.ops import chunk_gated_delta_rule, flashqla_enabled, set_flashqla
+from megatron_muon.ops.kernel_choice import GdnKernels, set_gdn_kernels
 from megatron_muon.ops.gdn_flashqla import qualifies
 
 REFERENCE_VARIANT = "FlashQLA chunk op (direct)"
+# (variant suffix, kernels per stage) beside the default ("gluon" states, "ours" output gradients)
+STAGE_VARIANTS = [("states: fla", GdnKernels("fla", "ours")), ("states: triton", GdnKernels("triton", "ours")),
+                  ("output grads: fla", GdnKernels("gluon", "fla")), ("all stages: fla", GdnKernels("fla", "fla"))]
 
 
 def chunk_op_inputs(sizes: dict, seq_len: int, device: str) -> list[torch.Tensor]:
@@ -55,6 +62,14 @@ def _flashqla(q, k, v, g, beta):
     return flash_qla.chunk_gated_delta_rule(q, k, v, g, beta)[0]
 
 
+def _without_flashqla(kernels: GdnKernels):
+    def setup() -> None:
+        set_flashqla(False)
+        set_gdn_kernels(kernels)
+
+    return setup
+
+
 def _fla_without_flashqla() -> None:
     os.environ["FLA_FLASH_QLA"] = "0"  # FLA reads it at every call; no other variant goes through FLA's dispatch
 
@@ -69,7 +84,9 @@ def chunk_op_variants(inputs: list[torch.Tensor], device: str) -> list[tuple[str
     set_flashqla(None)
     if qualifies(q, v) and flashqla_enabled():
         variants.append(("FlashQLA through our chunk op", _ours, lambda: set_flashqla(None)))
-    variants.append(("ours chunk op", _ours, lambda: set_flashqla(False)))
+    variants.append(("ours chunk op", _ours, _without_flashqla(GdnKernels())))
+    if on_gpu:
+        variants += [(f"ours chunk op ({suffix})", _ours, _without_flashqla(kernels)) for suffix, kernels in STAGE_VARIANTS]
     if on_gpu and importlib.util.find_spec("fla"):
         variants.append(("fla chunk op", _fla, _fla_without_flashqla))
     return variants

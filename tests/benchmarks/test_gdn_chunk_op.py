@@ -1,0 +1,33 @@
+"""The chunk-op benchmark (`gdn.py --chunk-op`) end to end on CPU at tiny sizes, its profile table included, and the
+per-stage kernel variants it times on a GPU."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from gdn_chunk_op import STAGE_VARIANTS  # noqa: E402
+
+
+def test_chunk_op_benchmark_smoke_with_profile(tmp_path):
+    out = tmp_path / "chunk.md"
+    subprocess.run([sys.executable, str(BENCHMARKS / "gdn.py"), "--tiny", "--chunk-op", "--device", "cpu", "--reps",
+                    "1", "--warmup", "0", "--profile", "--profile-top", "3", "--out", str(out)], check=True,
+                   cwd=BENCHMARKS.parent, timeout=600, capture_output=True)
+    text = out.read_text()
+    assert "| ours chunk op |" in text
+    assert "### Where the time goes: ours chunk op (top 3" in text
+    assert "(states: fla)" not in text  # the per-stage variants choose CUDA kernels: GPU only
+
+
+def test_stage_variants_each_change_one_choice_or_all():
+    from megatron_muon.ops.kernel_choice import PRESETS, GdnKernels
+
+    default = GdnKernels()
+    assert default == PRESETS["ours"]
+    for suffix, kernels in STAGE_VARIANTS:
+        changed = [stage for stage in ("states", "output_grads") if getattr(kernels, stage) != getattr(default, stage)]
+        assert len(changed) == 1 or kernels == PRESETS["fla"], suffix
+    assert len({kernels for _, kernels in STAGE_VARIANTS}) == len(STAGE_VARIANTS)
