@@ -9,7 +9,8 @@ exactly as `python pretrain_gpt.py ...` would, so no Megatron-LM fork or patch i
 --use-distributed-optimizer`, the DDP layout Megatron-LM computes through megatron's layer-wise optimizer becomes the
 owner layout (`megatron/owner_layout.use_owner_layout_in_megatron`). Every optimizer the
 script builds through `get_megatron_optimizer` gets the plugin's GPU fast paths (`megatron/fast_paths.py`, which
-lists them) unless `--no-fast-paths` comes before the script.
+lists them) unless `--no-fast-paths` comes before the script; `--muon-split-heads` there turns on the plugin's
+per-head orthogonalization, for which Megatron-LM has no argument.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import runpy
 import sys
 from pathlib import Path
 
-USAGE = ("usage: python -m megatron_muon.launch [--cpu-mode] [--no-fast-paths] path/to/pretrain_gpt.py "
-         "[Megatron-LM arguments]")
-CPU_MODE_FLAG, NO_FAST_PATHS_FLAG = "--cpu-mode", "--no-fast-paths"
+USAGE = ("usage: python -m megatron_muon.launch [--cpu-mode] [--no-fast-paths] [--muon-split-heads] "
+         "path/to/pretrain_gpt.py [Megatron-LM arguments]")
+CPU_MODE_FLAG, NO_FAST_PATHS_FLAG, SPLIT_HEADS_FLAG = "--cpu-mode", "--no-fast-paths", "--muon-split-heads"
 
 
 def _enter_cpu_mode() -> None:
@@ -60,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + __doc__.strip().splitlines()[0] + "\n  --cpu-mode       run megatron-core on CPU with "
               "gloo (machines without a GPU: smoke tests and demos)\n  --no-fast-paths  keep megatron's own optimizer "
-              "step passes (for comparisons)")
+              "step passes (for comparisons)\n  --muon-split-heads  orthogonalize QKV / GDN in_proj per head (the plugin's "
+              "muon_split_heads; Megatron-LM has no flag for it)")
         return 0 if args else 2
     flags = set()
-    while args and args[0] in (CPU_MODE_FLAG, NO_FAST_PATHS_FLAG):
+    while args and args[0] in (CPU_MODE_FLAG, NO_FAST_PATHS_FLAG, SPLIT_HEADS_FLAG):
         flags.add(args.pop(0))
     cpu_mode = CPU_MODE_FLAG in flags
     if not args:
@@ -80,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     import megatron_muon
 
     megatron_muon.register()
+    if SPLIT_HEADS_FLAG in flags:
+        from megatron_muon.megatron.muon_config import set_plugin_default
+
+        set_plugin_default("muon_split_heads", True)
     from megatron_muon.megatron.owner_layout import use_owner_layout_in_megatron
 
     use_owner_layout_in_megatron()  # `--optimizer muon --use-distributed-optimizer`: DDP in the owner layout

@@ -20,6 +20,22 @@ from megatron_muon.kernels.coefficients import COEFFICIENT_SETS, resolve_coeffic
 from megatron_muon.kernels.settings import Orthogonalizer
 from megatron_muon.optimizer.routing import MatrixLayout, matrix_layout, tag_fused_in_proj
 
+# This plugin's options where the job's options object does not carry them (Megatron-LM's parsed arguments and
+# OptimizerConfig have no field for them): the launcher's flags set these process defaults (`set_plugin_default`).
+_PLUGIN_DEFAULTS: dict[str, Any] = {"muon_split_heads": False}
+
+
+def set_plugin_default(name: str, value: Any) -> None:
+    """The value of plugin option `name` for options objects that do not carry it (the launcher's flags)."""
+    if name not in _PLUGIN_DEFAULTS:
+        raise ValueError(f"unknown plugin option {name!r}; valid choices: {sorted(_PLUGIN_DEFAULTS)}")
+    _PLUGIN_DEFAULTS[name] = value
+
+
+def _plugin_option(options, name: str) -> Any:
+    return getattr(options, name, _PLUGIN_DEFAULTS[name])
+
+
 # muon_fp32_matmul_prec → Newton–Schulz iteration dtype ("medium": the kernel's bf16/fp16 choice).
 _MATMUL_PRECISION_DTYPES = {"medium": None, "high": torch.float32, "highest": torch.float32}
 MEGATRON_COEFFICIENT_TYPE = "quintic"  # OptimizerConfig.muon_coefficient_type's default
@@ -70,7 +86,7 @@ class MuonConfig:
             scale_mode=getattr(options, "muon_scale_mode", defaults.scale_mode),
             extra_scale=getattr(options, "muon_extra_scale_factor", defaults.extra_scale),
             split_fused=getattr(options, "muon_split_qkv", defaults.split_fused),
-            split_heads=bool(getattr(options, "muon_split_heads", defaults.split_heads)),
+            split_heads=bool(_plugin_option(options, "muon_split_heads")),
             tp_mode=getattr(options, "muon_tp_mode", defaults.tp_mode),
             graph_newton_schulz=bool(getattr(options, "muon_graph_newton_schulz", defaults.graph_newton_schulz)),
         )

@@ -32,13 +32,14 @@ class OwnerPlanSettings:
     `distributed.cost.CostModel` (None: the Newton–Schulz FLOPs of the job's own settings). `tokens_per_step` (per
     rank) tells the plan how long the backward runs after each bucket and counts work released early as hidden
     behind it: right where the backward leaves the GPU idle (a network-bound step), wrong where it keeps the GPU
-    busy, which is why the default (None) balances every rank's total work. `split_heads`: the optimizer
-    orthogonalizes fused sections per head (`Muon(split_heads=True)`), so the plan costs one matrix per head."""
+    busy, which is why the default (None) balances every rank's total work. `split_heads`: whether the optimizer
+    orthogonalizes fused sections per head (`Muon(split_heads=True)`; the plan then costs one matrix per head);
+    None: the job's own setting."""
 
     method: str = "auto"
     cost: CostModel | None = None
     tokens_per_step: int | None = None
-    split_heads: bool = False
+    split_heads: bool | None = None
 
     def __post_init__(self):
         if self.method not in PLAN_METHODS:
@@ -114,15 +115,19 @@ def _stage_grid():
                      device=device)
 
 
-def _default_cost() -> CostModel:
-    """Newton–Schulz FLOPs of the job's own settings: Megatron-LM's parsed `--muon-*` arguments when a Megatron-LM
-    script is running, megatron's defaults otherwise."""
+def _job_muon_config():
+    """The job's own Muon settings: Megatron-LM's parsed `--muon-*` arguments when a Megatron-LM script is running
+    (with the launcher's plugin flags), megatron's defaults otherwise."""
     from megatron_muon.megatron.muon_config import MuonConfig
 
     global_vars = sys.modules.get("megatron.training.global_vars")
     args = getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
-    config = MuonConfig.from_options(args) if args is not None else MuonConfig()
-    return AnalyticCost.for_orthogonalizer(config.orthogonalizer)
+    return MuonConfig.from_options(args if args is not None else object())
+
+
+def _default_cost() -> CostModel:
+    """Newton–Schulz FLOPs of the job's own settings (`_job_muon_config`)."""
+    return AnalyticCost.for_orthogonalizer(_job_muon_config().orthogonalizer)
 
 
 def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=None,
@@ -132,7 +137,8 @@ def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=
     from megatron.core.optimizer.param_layout import PerBufferParamLayout
 
     cost = plan_settings.cost or _default_cost()
-    items = layout_items(params, cost, _tp_size(), plan_settings.split_heads)
+    split_heads = plan_settings.split_heads
+    items = layout_items(params, cost, _tp_size(), _job_muon_config().split_heads if split_heads is None else split_heads)
     tokens = plan_settings.tokens_per_step
     # a matrix's weight and input gradients are ~4·tokens FLOPs per element, at the cost model's rate
     per_element = 4.0 * tokens / getattr(cost, "flops_per_s", AnalyticCost().flops_per_s) if tokens else 0.0

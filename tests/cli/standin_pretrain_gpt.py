@@ -24,6 +24,7 @@ from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_
 from megatron.training.arguments import parse_and_validate_args
 
 REPORT = {}
+BUILT = []  # the optimizers megatron built, for what only a step fills in (Muon's bucket plan)
 if os.environ.get("TRITON_INTERPRET") == "1":  # the plugin's Triton passes run under the interpreter on CPU
     from tests.interpreter import patch_for_numpy_2_5
 
@@ -46,6 +47,7 @@ def _recording_optimizer_builder(config, model_chunks, *args, **kwargs):
     REPORT["ddp_check_for_nan_in_grad"] = getattr(getattr(model_chunks[0], "ddp_config", None),
                                                   "check_for_nan_in_grad", None)
     REPORT["nonfinite_checks"] = [p.nonfinite_check for p in parts if hasattr(p, "nonfinite_check")]
+    BUILT.extend(getattr(p, "optimizer", p) for p in parts)
     return optimizer
 
 
@@ -86,6 +88,8 @@ if __name__ == "__main__":
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(full_config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    plans = [inner._plan_cache[1] for inner in BUILT if getattr(inner, "_plan_cache", None)]
+    REPORT["muon_bucket_shapes"] = sorted({tuple(bucket.shape) for plan in plans for bucket in plan.buckets})
     if torch.distributed.get_rank() == 0 and os.environ.get("STANDIN_REPORT"):
         with open(os.environ["STANDIN_REPORT"], "w") as report:
             json.dump(REPORT, report)

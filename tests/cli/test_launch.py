@@ -59,6 +59,16 @@ def test_optimizer_muon_through_megatron_lm_runs_ours_on_the_gdn_hybrid_spec(tmp
                                     "first_grad_overwrite_chunks": 0}, report
 
 
+def test_the_launchers_split_heads_flag_orthogonalizes_qkv_per_head(tmp_path):
+    """`--muon-split-heads` before the script: Megatron-LM has no such argument, the plugin's default carries it.
+    kv-channels 16, 2 query groups of 2 heads: per head every QKV matrix is 16 × 64; per section q would be 64 × 64
+    and k, v 32 × 64."""
+    report = _launch(tmp_path, "--optimizer", "muon", launch_flags=("--muon-split-heads",))
+    shapes = [tuple(shape) for shape in report["muon_bucket_shapes"]]
+    assert (16, 64) in shapes and (32, 64) not in shapes, shapes
+    assert sum(report["losses"][-4:]) < sum(report["losses"][:4])
+
+
 def test_the_fast_paths_train_through_megatron_lm_as_megatrons_own_passes(tmp_path):
     """Under the Triton interpreter the plugin's passes run on CPU. Through Megatron-LM's own training loop, bf16
     Muon (AdamW for the rest) with every step clipped: the one-pass AdamW and the clip inside Muon's momentum pass

@@ -167,3 +167,17 @@ def test_the_owner_plan_costs_one_matrix_per_head():
     (heads,) = owner_layout.layout_items([qkv], cost, tp_size=2, split_heads=True)
     assert sorted(set(sections.kind)) == [(64, 64), (128, 64)]  # q of both groups; k, v: rows doubled over tp=2
     assert heads.kind == ((16, 64),) * 8  # 2 groups × (2 q + 1 k + 1 v) heads, never sharded
+
+
+def test_the_launchers_plugin_default_fills_in_what_megatrons_options_lack():
+    from megatron_muon.megatron.muon_config import set_plugin_default
+
+    set_plugin_default("muon_split_heads", True)
+    try:
+        assert MuonConfig.from_options(_config()).split_heads  # OptimizerConfig has no muon_split_heads field
+        assert not MuonConfig.from_options(SimpleNamespace(muon_split_heads=False)).split_heads  # a set value wins
+    finally:
+        set_plugin_default("muon_split_heads", False)
+    assert not MuonConfig.from_options(_config()).split_heads
+    with pytest.raises(ValueError, match="valid choices"):
+        set_plugin_default("muon_split_everything", True)
