@@ -141,12 +141,15 @@ def test_split_heads_is_tp_invariant_without_gathering(rank_pool_1, rank_pool_2,
     assert max(gaps) > 1e-4  # per head is a different update than per section
 
 
-def test_split_heads_on_the_owner_engine_equals_plain_muon(rank_pool_1, rank_pool_2):
-    """The owner engine (dp=2, both ranks fed the same batches) with heads split trains like plain Muon at dp=1."""
+@pytest.mark.parametrize("tp, pool", [(1, "rank_pool_2"), (2, "rank_pool_4")])
+def test_split_heads_on_the_owner_engine_equals_plain_muon(rank_pool_1, request, tp, pool):
+    """The owner engine (dp=2, both ranks fed the same batches; tp=1 and 2) with heads split trains like plain Muon
+    at dp=1, tp=1."""
     options = dict(lr=LR, muon_fp32_matmul_prec="highest", model_kind="hybrid", muon_split_heads=True)
     single = rank_pool_1.run(train_tiny_gpt, 1, "muon", "fp32", 3, **options)[0]
-    replicas = rank_pool_2.run(train_tiny_gpt, 1, "dist_muon", "fp32", 3, **options)
-    assert replicas[0]["types"] == [WAVE_MUON, ADAMW]
+    replicas = request.getfixturevalue(pool).run(train_tiny_gpt, tp, "dist_muon", "fp32", 3, **options)
+    assert replicas[0]["types"] == [WAVE_MUON, ADAMW] and replicas[0]["layout"]["tp"] == tp
+    assert replicas[0]["layout"]["dp"] == 2
     np.testing.assert_allclose(replicas[0]["losses"], single["losses"], rtol=1e-6)
     for name, value in single["digest"].items():
         assert replicas[0]["digest"][name] == pytest.approx(value, rel=1e-6), name
