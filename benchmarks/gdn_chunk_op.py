@@ -86,7 +86,8 @@ def chunk_op_variants(inputs: list[torch.Tensor], device: str) -> list[tuple[str
         variants.append(("FlashQLA through our chunk op", _ours, lambda: set_flashqla(None)))
     variants.append(("ours chunk op", _ours, _without_flashqla(GdnKernels())))
     if on_gpu:
-        variants += [(f"ours chunk op ({suffix})", _ours, _without_flashqla(kernels)) for suffix, kernels in STAGE_VARIANTS]
+        variants += [(f"ours chunk op ({suffix})", _ours, _without_flashqla(kernels))
+                     for suffix, kernels in STAGE_VARIANTS]
     if on_gpu and importlib.util.find_spec("fla"):
         variants.append(("fla chunk op", _fla, _fla_without_flashqla))
     return variants

@@ -77,7 +77,8 @@ def rows_for(recipe_name: str, worlds, sequences, split_heads: bool = False) -> 
     for world in worlds:
         busiest = busiest_rank_flops(piece_flops, world)
         for count in sequences:
-            rows.append(dict(recipe=recipe_name + (" (per head)" if split_heads else ""), world=world, sequences=count, pieces=len(piece_flops),
+            rows.append(dict(recipe=recipe_name + (" (per head)" if split_heads else ""), world=world,
+                             sequences=count, pieces=len(piece_flops),
                              ns_total_tflop=sum(piece_flops) / 1e12, ns_rank_tflop=busiest / 1e12,
                              train_rank_tflop=per_sequence * count / 1e12, share=busiest / (per_sequence * count),
                              ns_ms_at_peak=busiest / (H200_DENSE_FP16_TFLOPS * 1e9),

@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + __doc__.strip().splitlines()[0] + "\n  --cpu-mode       run megatron-core on CPU with "
               "gloo (machines without a GPU: smoke tests and demos)\n  --no-fast-paths  keep megatron's own optimizer "
-              "step passes (for comparisons)\n  --muon-split-heads  orthogonalize QKV / GDN in_proj per head (the plugin's "
-              "muon_split_heads; Megatron-LM has no flag for it)")
+              "step passes (for comparisons)\n  --muon-split-heads  orthogonalize QKV / GDN in_proj per head "
+              "(the plugin's muon_split_heads; Megatron-LM has no flag for it)")
         return 0 if args else 2
     flags = set()
     while args and args[0] in (CPU_MODE_FLAG, NO_FAST_PATHS_FLAG, SPLIT_HEADS_FLAG):

@@ -81,7 +81,8 @@ def _tp_size() -> int:
 
 
 def layout_items(params, cost: CostModel, tp_size: int, split_heads: bool = False) -> list[LayoutItem]:
-    """One planning item per parameter: its full (unsharded) matrices' Newton–Schulz cost (a head is never sharded)."""
+    """One planning item per parameter: its full (unsharded) matrices' Newton–Schulz cost (a head is never
+    sharded)."""
     items = []
     for index, param in enumerate(params):
         layout = matrix_layout(param, split_heads=split_heads)
@@ -138,7 +139,9 @@ def owner_buffer_layout(params, bucket_size, dp: int, ddp_config, param_indices=
 
     cost = plan_settings.cost or _default_cost()
     split_heads = plan_settings.split_heads
-    items = layout_items(params, cost, _tp_size(), _job_muon_config().split_heads if split_heads is None else split_heads)
+    if split_heads is None:
+        split_heads = _job_muon_config().split_heads
+    items = layout_items(params, cost, _tp_size(), split_heads)
     tokens = plan_settings.tokens_per_step
     # a matrix's weight and input gradients are ~4·tokens FLOPs per element, at the cost model's rate
     per_element = 4.0 * tokens / getattr(cost, "flops_per_s", AnalyticCost().flops_per_s) if tokens else 0.0
