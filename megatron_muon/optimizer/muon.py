@@ -30,7 +30,6 @@ from megatron_muon.optimizer.routing import (
     assert_pieces_cover_params,
     describe,
     matrix_layout,
-    piece_as_matrices,
     piece_matrix_count,
     piece_matrix_shape,
     piece_views,
