@@ -42,14 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import package_versions, write_table_and_rows  # noqa: E402
 from ns_schedule_training_report import (  # noqa: E402
-    BASELINE, FINAL_WINDOW, label, plot_curves, summarize, table_lines)
+    BASELINE, FINAL_WINDOW, HEADS, label, plot_curves, summarize, table_lines)
 
 DEFAULT_SCHEDULES = "simple:5,polar_express:4,cans:4,simple:4,quintic:5"
 KINDS = ("gpt", "hybrid")
 VALID_EVERY, VALID_SEED = 20, 0  # the validation set is the same for every run
 SKIPPED_DIRS = {"site-packages", "dist-packages"}
 # Keys the variants set; `--set` may change anything else.
-HEADS = "+heads"  # a schedule name's suffix: the same schedule with QKV / GDN in_proj orthogonalized per head
 VARIANT_KEYS = {"optimizer.muon_coefficient_type": "--schedules", "optimizer.muon_num_ns_steps": "--schedules",
                 "optimizer.muon_split_heads": "--schedules (NAME+heads:STEPS)",
                 "model.kind": "--kinds", "training.seed": "--seeds", "data.path": "the corpus (fixed)",

@@ -8,12 +8,12 @@ import statistics
 from pathlib import Path
 
 BASELINE = ("simple", 5)
+HEADS = "+heads"  # a schedule name's suffix: the same schedule with QKV / GDN in_proj orthogonalized per head
 FINAL_WINDOW = 0.1  # the train loss reported: the mean over the last 10% of steps
 
 
 def label(name: str, steps: int) -> str:
-    base, heads, _ = name.partition("+heads")
-    return f"{base}×{steps}" + (" per head" if heads else "")
+    return f"{name.removesuffix(HEADS)}×{steps}" + (" per head" if name.endswith(HEADS) else "")
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
