@@ -42,3 +42,24 @@ def test_default_gpu_path_matches_torch_muon():
     exact = copy.deepcopy(initial)
     _run(Muon(exact, **options, scale_mode="original", compute_dtype=torch.float32), exact)
     assert _gap(ours, exact, initial) < 0.01  # the 16-bit fast path stays within 1% of an fp32 iteration
+
+
+def test_heads_split_gpu_path_matches_an_fp32_iteration_on_the_cpu():
+    """Per-head orthogonalization on the GPU path (fused passes over head pieces, Triton NS on 128-row heads) against
+    the same optimizer with an fp32 iteration on the CPU."""
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    qkv = torch.nn.Parameter(torch.randn(4 * (2 * 128 + 128 + 128), 512, device="cuda", generator=generator) * 0.02)
+    qkv.is_qkv, qkv.qkv_split_shapes = True, [256, 128, 128]
+    cpu = torch.nn.Parameter(qkv.detach().cpu().clone())
+    cpu.is_qkv, cpu.qkv_split_shapes = True, [256, 128, 128]
+    initial = cpu.detach().clone()
+    options = dict(lr=0.02, weight_decay=0.1, split_heads=True)
+    gpu_opt = Muon([qkv], **options)
+    cpu_opt = Muon([cpu], **options, compute_dtype=torch.float32)
+    for step in range(5):
+        grad = torch.randn(qkv.shape, generator=torch.Generator().manual_seed(10 + step)) * 1e-3
+        qkv.grad, cpu.grad = grad.cuda(), grad.clone()
+        gpu_opt.step()
+        cpu_opt.step()
+    assert _gap([qkv.detach().cpu()], [cpu], [initial]) < 0.01
+    assert sorted({b.shape for b in gpu_opt._plan_cache[1].buckets}) == [(128, 512)]
