@@ -16,8 +16,9 @@ kernels, so that no product's operands overflow the registers. On an H200 at the
 faster than FLA's autotuned kernel and the forward takes the same time (docs/design/gdn_kernels.md).
 
 Rounding differs from FLA's in one place: the backward's gate 2^g multiplies do (a [BT, BV] tile) instead of q, and
-that product runs in the input dtype rather than tf32. Dense equal-length batches with one value head per key head;
-everything else stays on FLA (`qualifies`). Where Triton has Gluon, the warp-specialized kernels of `state_ws.py`
+that product runs in the input dtype rather than tf32. Dense equal-length batches; with more value heads than key
+heads (GVA) value head h reads key head h // (HV // H) of k and q (w is per value head); everything else stays on FLA
+(`qualifies`). Where Triton has Gluon, the warp-specialized kernels of `state_ws.py`
 take these calls on sm90 (docs/components.md); `ops/kernel_choice` picks between them and FLA's.
 """
 
@@ -39,7 +40,8 @@ KEY_SLICE = 64  # the kernels keep the state in [BV, 64] key slices (key dims 64
 
 def qualifies(key_side: list, value_side: list, g, cu_seqlens, chunk_size: int) -> bool:
     """Dense [B, T, H, K] key-side and [B, T, H, V] value-side bf16/fp16 tensors on an sm90 GPU (or the
-    interpreter), one value head per key head, contiguous (TMA-able), with V a multiple of the default tiles' value
+    interpreter), q and k with key heads that divide the value heads (w, and the value side, per value head),
+    contiguous (TMA-able), with V a multiple of the default tiles' value
     blocks."""
     first = key_side[0]
     on_device = first.is_cuda and torch.cuda.get_device_capability(first.device)[0] == 9
@@ -48,10 +50,14 @@ def qualifies(key_side: list, value_side: list, g, cu_seqlens, chunk_size: int) 
     if cu_seqlens is not None or chunk_size != CHUNK or g is None or first.dim() != 4:
         return False
     value_dim = value_side[0].shape[-1]
+    value_shape = (*value_side[0].shape[:3], value_dim)
     tensors = key_side + value_side
     return (
-        all(t.shape == first.shape for t in key_side)
-        and all(t.shape == (*first.shape[:3], value_dim) for t in value_side)
+        all(t.dim() == 4 and t.shape[:2] == first.shape[:2] and t.shape[3] == first.shape[3] for t in key_side)
+        and len({t.shape[2] for t in key_side} - {value_shape[2]}) <= 1  # key heads, value heads or both
+        and all(value_shape[2] % t.shape[2] == 0 for t in key_side)
+        and all(t.shape == value_shape for t in value_side)
+        and g.shape == value_shape[:3]
         and all(t.dtype == first.dtype for t in tensors)
         and first.dtype in (torch.bfloat16, torch.float16)
         and first.shape[-1] in (64, 128, 256)
@@ -114,7 +120,7 @@ if triton is not None:
     @triton.jit
     def _chunk_state_fwd_kernel(
         k_desc, w_desc, u_desc, g, h0, h, v_new, ht, T, NT,
-        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+        H: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
         STAGES: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     ):  # fmt: skip
         """The state in key slices of 64 columns (as FLA keeps it): each product's operands stay small enough for
@@ -126,7 +132,8 @@ if triton is not None:
         o_v = i_v * BV + tl.arange(0, BV)
         state = (i_bh * V + o_v[:, None]) * K + tl.arange(0, KS)[None, :]  # slice 0 of a [B, H, V, K] state
         b_h0, b_h1, b_h2, b_h3 = _load_slices(h0, state, USE_INITIAL_STATE, K, BV, KS)
-        column = (i_h * K).to(tl.int32)
+        column = (i_h * K).to(tl.int32)  # w's head
+        key_column = (i_h // GROUP * K).to(tl.int32)  # k's head
         for i_t in tl.range(0, NT, num_stages=STAGES):
             t0 = i_t * BT
             batch = i_b.to(tl.int32)
@@ -150,27 +157,27 @@ if triton is not None:
             b_g, b_g_last, inside = _chunk_gates(g, i_b, i_h, t0, T, H, BT)
             b_vt = (b_vt * tl.where(inside, tl.exp2(b_g_last - b_g), 0.0)[None, :]).to(w_desc.dtype)
             decay = tl.exp2(b_g_last)
-            b_h0 = b_h0 * decay + tl.dot(b_vt, k_desc.load([batch, t0, column]).reshape(BT, KS))
+            b_h0 = b_h0 * decay + tl.dot(b_vt, k_desc.load([batch, t0, key_column]).reshape(BT, KS))
             if K > 64:
-                b_h1 = b_h1 * decay + tl.dot(b_vt, k_desc.load([batch, t0, column + KS]).reshape(BT, KS))
+                b_h1 = b_h1 * decay + tl.dot(b_vt, k_desc.load([batch, t0, key_column + KS]).reshape(BT, KS))
             if K > 128:
-                b_h2 = b_h2 * decay + tl.dot(b_vt, k_desc.load([batch, t0, column + 2 * KS]).reshape(BT, KS))
-                b_h3 = b_h3 * decay + tl.dot(b_vt, k_desc.load([batch, t0, column + 3 * KS]).reshape(BT, KS))
+                b_h2 = b_h2 * decay + tl.dot(b_vt, k_desc.load([batch, t0, key_column + 2 * KS]).reshape(BT, KS))
+                b_h3 = b_h3 * decay + tl.dot(b_vt, k_desc.load([batch, t0, key_column + 3 * KS]).reshape(BT, KS))
         if STORE_FINAL_STATE:
             _store_slices(ht, state, b_h0, b_h1, b_h2, b_h3, K, KS)
 
     @triton.jit
-    def _dh_slice_update(b_dh, q_desc, w_desc, where, b_do_gated_t, b_dv2t, decay, scale, BT: tl.constexpr,
-                         KS: tl.constexpr):
-        """One key slice of dh ← 2^g_last·dh + scale·(gated do)ᵀ·q − dv2ᵀ·w."""
-        b_q = q_desc.load(where).reshape(BT, KS)
+    def _dh_slice_update(b_dh, q_desc, w_desc, key_where, where, b_do_gated_t, b_dv2t, decay, scale,
+                         BT: tl.constexpr, KS: tl.constexpr):
+        """One key slice of dh ← 2^g_last·dh + scale·(gated do)ᵀ·q − dv2ᵀ·w (q at `key_where`, w at `where`)."""
+        b_q = q_desc.load(key_where).reshape(BT, KS)
         b_w = w_desc.load(where).reshape(BT, KS)
         return b_dh * decay + tl.dot(b_do_gated_t, b_q) * scale - tl.dot(b_dv2t, b_w)
 
     @triton.jit
     def _chunk_state_bwd_kernel(
         q_desc, k_desc, w_desc, do_desc, dv_desc, g, dht, dh, dv2, dh0, scale, T, NT,
-        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+        H: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
         STAGES: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     ):  # fmt: skip
         """The state gradient in key slices of 64 columns, as in the forward."""
@@ -181,7 +188,8 @@ if triton is not None:
         o_v = i_v * BV + tl.arange(0, BV)
         state = (i_bh * V + o_v[:, None]) * K + tl.arange(0, KS)[None, :]  # slice 0 of a [B, H, V, K] state
         b_dh0, b_dh1, b_dh2, b_dh3 = _load_slices(dht, state, USE_FINAL_STATE_GRADIENT, K, BV, KS)
-        column = (i_h * K).to(tl.int32)
+        column = (i_h * K).to(tl.int32)  # w's head
+        key_column = (i_h // GROUP * K).to(tl.int32)  # q's and k's head
         for i in tl.range(0, NT, num_stages=STAGES):
             i_t = NT - 1 - i
             t0 = i_t * BT
@@ -189,17 +197,17 @@ if triton is not None:
             dtype = dh.dtype.element_ty
             # dh[b, t, h]: the gradient entering chunk t from the chunks after it
             tl.store(_state_slice(dh, i_b, i_t, NT, state, 0, H, V, K, KS), b_dh0.to(dtype))
-            b_dv2t = tl.dot(b_dh0.to(k_desc.dtype), tl.trans(k_desc.load([batch, t0, column]).reshape(BT, KS)))
+            b_dv2t = tl.dot(b_dh0.to(k_desc.dtype), tl.trans(k_desc.load([batch, t0, key_column]).reshape(BT, KS)))
             if K > 64:
                 tl.store(_state_slice(dh, i_b, i_t, NT, state, 1, H, V, K, KS), b_dh1.to(dtype))
-                b_k = k_desc.load([batch, t0, column + KS]).reshape(BT, KS)
+                b_k = k_desc.load([batch, t0, key_column + KS]).reshape(BT, KS)
                 b_dv2t += tl.dot(b_dh1.to(k_desc.dtype), tl.trans(b_k))
             if K > 128:
                 tl.store(_state_slice(dh, i_b, i_t, NT, state, 2, H, V, K, KS), b_dh2.to(dtype))
                 tl.store(_state_slice(dh, i_b, i_t, NT, state, 3, H, V, K, KS), b_dh3.to(dtype))
-                b_k = k_desc.load([batch, t0, column + 2 * KS]).reshape(BT, KS)
+                b_k = k_desc.load([batch, t0, key_column + 2 * KS]).reshape(BT, KS)
                 b_dv2t += tl.dot(b_dh2.to(k_desc.dtype), tl.trans(b_k))
-                b_k = k_desc.load([batch, t0, column + 3 * KS]).reshape(BT, KS)
+                b_k = k_desc.load([batch, t0, key_column + 3 * KS]).reshape(BT, KS)
                 b_dv2t += tl.dot(b_dh3.to(k_desc.dtype), tl.trans(b_k))
             value_where = [batch, t0, (i_h * V + i_v * BV).to(tl.int32)]
             b_do = do_desc.load(value_where).reshape(BT, BV)
@@ -210,16 +218,16 @@ if triton is not None:
             _store_rows(dv2, b_dv2t, i_b, i_h, t0, T, o_v, H, V, BT)
             b_do_gated_t = (tl.trans(b_do).to(tl.float32) * tl.exp2(b_g)[None, :]).to(b_do.dtype)  # [BV, BT]
             decay = tl.exp2(b_g_last)
-            b_dh0 = _dh_slice_update(b_dh0, q_desc, w_desc, [batch, t0, column], b_do_gated_t, b_dv2t, decay, scale,
-                                     BT, KS)
+            b_dh0 = _dh_slice_update(b_dh0, q_desc, w_desc, [batch, t0, key_column], [batch, t0, column],
+                                     b_do_gated_t, b_dv2t, decay, scale, BT, KS)
             if K > 64:
-                b_dh1 = _dh_slice_update(b_dh1, q_desc, w_desc, [batch, t0, column + KS], b_do_gated_t, b_dv2t,
-                                         decay, scale, BT, KS)
+                b_dh1 = _dh_slice_update(b_dh1, q_desc, w_desc, [batch, t0, key_column + KS], [batch, t0, column + KS],
+                                         b_do_gated_t, b_dv2t, decay, scale, BT, KS)
             if K > 128:
-                b_dh2 = _dh_slice_update(b_dh2, q_desc, w_desc, [batch, t0, column + 2 * KS], b_do_gated_t, b_dv2t,
-                                         decay, scale, BT, KS)
-                b_dh3 = _dh_slice_update(b_dh3, q_desc, w_desc, [batch, t0, column + 3 * KS], b_do_gated_t, b_dv2t,
-                                         decay, scale, BT, KS)
+                b_dh2 = _dh_slice_update(b_dh2, q_desc, w_desc, [batch, t0, key_column + 2 * KS],
+                                         [batch, t0, column + 2 * KS], b_do_gated_t, b_dv2t, decay, scale, BT, KS)
+                b_dh3 = _dh_slice_update(b_dh3, q_desc, w_desc, [batch, t0, key_column + 3 * KS],
+                                         [batch, t0, column + 3 * KS], b_do_gated_t, b_dv2t, decay, scale, BT, KS)
         if USE_INITIAL_STATE:
             _store_slices(dh0, state, b_dh0, b_dh1, b_dh2, b_dh3, K, KS)
 
@@ -256,9 +264,10 @@ def _tile(value_dim: int, config, table):
 
 
 def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False, config=None):
-    """(h [B, NT, H, V, K], v_new like u, final state [B, H, V, K] fp32 or None) as FLA's value-first
-    `chunk_gated_delta_rule_fwd_h`; `config` = (BV, warps, stages) pins a tile."""
-    batch, seq_len, heads, key_dim = k.shape
+    """(h [B, NT, HV, V, K], v_new like u, final state [B, HV, V, K] fp32 or None) as FLA's value-first
+    `chunk_gated_delta_rule_fwd_h`, with k [B, T, H, K] and w [B, T, HV, K]; `config` = (BV, warps, stages) pins a
+    tile."""
+    batch, seq_len, heads, key_dim = w.shape
     value_dim = u.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
     block_v, warps, stages = _tile(value_dim, config, FORWARD_CONFIGS)
@@ -268,16 +277,17 @@ def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False
     h0 = None if initial_state is None else initial_state.contiguous()
     _chunk_state_fwd_kernel[(value_dim // block_v, batch * heads)](
         _descriptor(k, KEY_SLICE), _descriptor(w, KEY_SLICE), _descriptor(u, block_v), g.contiguous(), h0, h, v_new,
-        final, seq_len, chunks, H=heads, K=key_dim, V=value_dim, BT=CHUNK, BV=block_v, STAGES=stages,
-        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, num_warps=warps,
+        final, seq_len, chunks, H=heads, GROUP=heads // k.shape[2], K=key_dim, V=value_dim, BT=CHUNK, BV=block_v,
+        STAGES=stages, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, num_warps=warps,
     )
     return h, v_new, final
 
 
 def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False, config=None):
-    """(dh [B, NT, H, V, K], dh0 [B, H, V, K] fp32 or None, dv2 like dv) as FLA's value-first
-    `chunk_gated_delta_rule_bwd_dhu`; `config` = (BV, warps, stages) pins a tile."""
-    batch, seq_len, heads, key_dim = q.shape
+    """(dh [B, NT, HV, V, K], dh0 [B, HV, V, K] fp32 or None, dv2 like dv) as FLA's value-first
+    `chunk_gated_delta_rule_bwd_dhu`, with q, k [B, T, H, K] and w [B, T, HV, K]; `config` = (BV, warps, stages)
+    pins a tile."""
+    batch, seq_len, heads, key_dim = w.shape
     value_dim = do.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
     block_v, warps, stages = _tile(value_dim, config, BACKWARD_CONFIGS)
@@ -288,7 +298,7 @@ def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False
     _chunk_state_bwd_kernel[(value_dim // block_v, batch * heads)](
         _descriptor(q, KEY_SLICE), _descriptor(k, KEY_SLICE), _descriptor(w, KEY_SLICE), _descriptor(do, block_v),
         _descriptor(dv, block_v), g.contiguous(), dht, dh, dv2, dh0, float(scale), seq_len, chunks,
-        H=heads, K=key_dim, V=value_dim, BT=CHUNK, BV=block_v, STAGES=stages,
+        H=heads, GROUP=heads // q.shape[2], K=key_dim, V=value_dim, BT=CHUNK, BV=block_v, STAGES=stages,
         USE_FINAL_STATE_GRADIENT=dht is not None, USE_INITIAL_STATE=want_dh0, num_warps=warps,
     )
     return dh, dh0, dv2

@@ -34,12 +34,13 @@ SWITCH = KernelSwitch("warp-specialized Hopper GDN state kernel")
 
 
 def ready(key_side: list, value_side: list) -> bool:
-    """On top of `state_tma.qualifies` (which the caller checked): Gluon, an sm90 GPU, value blocks of 32, and one
-    sequence or whole chunks."""
+    """On top of `state_tma.qualifies` (which the caller checked): Gluon, an sm90 GPU, value blocks of 32, one
+    sequence or whole chunks, and one value head per key head (GVA stays on the Triton kernels)."""
     first = key_side[0]
     batch, seq_len = first.shape[:2]
     return (SWITCH.available() and first.is_cuda and is_hopper(first.device.index or 0)
-            and value_side[0].shape[-1] % BLOCK_V == 0 and (batch == 1 or seq_len % CHUNK == 0))
+            and value_side[0].shape[-1] % BLOCK_V == 0 and (batch == 1 or seq_len % CHUNK == 0)
+            and all(t.shape[2] == value_side[0].shape[2] for t in key_side))
 
 
 if gluon is not None:

@@ -31,33 +31,40 @@ def main():
     # fp16: Triton 3.6's interpreter reads bf16 through tensor descriptors as raw bits (the GPU tests cover bf16).
     # 150 tokens: two full chunks and a partial one (TMA zero-fills past each batch element's end).
     # key dims 64, 128 and 256: one, two and four 64-column key slices of the state
-    for batch, seq_len, heads, key_dim, value_dim, with_states in [(2, 150, 2, 64, 32, True),
-                                                                   (1, 128, 1, 128, 16, False),
-                                                                   (1, 100, 2, 256, 16, True)]:
-        def unit_rows():
-            x = torch.randn(batch, seq_len, heads, key_dim, generator=g)
+    # key heads below the value heads: GVA, value head h reads key head h // group
+    for batch, seq_len, key_heads, heads, key_dim, value_dim, with_states in [(2, 150, 2, 2, 64, 32, True),
+                                                                             (1, 128, 1, 1, 128, 16, False),
+                                                                             (1, 100, 2, 2, 256, 16, True),
+                                                                             (1, 150, 1, 3, 128, 16, True)]:
+        def unit_rows(rows_heads):
+            x = torch.randn(batch, seq_len, rows_heads, key_dim, generator=g)
             return torch.nn.functional.normalize(x, dim=-1).half()
 
         def values(s=1.0):
             return (torch.randn(batch, seq_len, heads, value_dim, generator=g) * s).half()
 
-        q, k = unit_rows(), unit_rows()
+        q, k = unit_rows(key_heads), unit_rows(key_heads)
         w = (torch.randn(batch, seq_len, heads, key_dim, generator=g) * 0.1).half()
         u, do, dv = values(0.5), values(), values()
         gates = chunk_local_log2_gates(batch, seq_len, heads, g)
         state = torch.randn(batch, heads, value_dim, key_dim, generator=g) if with_states else None
         assert qualifies([q, k, w], [do, dv, u], gates, None, CHUNK)
         scale = key_dim**-0.5
+        q_per_value_head, k_per_value_head = (x.repeat_interleave(heads // key_heads, dim=2) for x in (q, k))
         # the state is rounded to the input dtype for each product, as in FLA's kernels: measured ~2.5e-4 (fp16)
         forward = chunk_fwd_h(k, w, u, gates, initial_state=state, output_final_state=True)
-        errors = [relative(a, b) for a, b in zip(forward, chunk_state_forward_reference(k, w, u, gates, state))]
+        reference = chunk_state_forward_reference(k_per_value_head, w, u, gates, state)
+        errors = [relative(a, b) for a, b in zip(forward, reference)]
         assert max(errors) < 2e-3, ("forward", errors)
         backward = chunk_dhu(q, k, w, gates, do, dv, scale, dht=state, want_dh0=True)
-        reference = chunk_state_backward_reference(q, k, w, gates, do, dv, scale, dht=state)
+        reference = chunk_state_backward_reference(q_per_value_head, k_per_value_head, w, gates, do, dv, scale,
+                                                   dht=state)
         errors = [relative(a, b) for a, b in zip(backward, reference)]
         assert max(errors) < 2e-3, ("backward", errors)
         assert backward[1].dtype == forward[2].dtype == torch.float32
     assert not qualifies([q, k, w], [do, dv], gates, torch.tensor([0, 64]), CHUNK)  # packed sequences stay on FLA
+    two_heads = torch.zeros(1, 64, 2, 64).half()
+    assert not qualifies([two_heads], [torch.zeros(1, 64, 3, 16).half()], torch.zeros(1, 64, 3), None, CHUNK)
     print("interpreter ok")
 
 

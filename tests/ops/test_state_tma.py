@@ -126,13 +126,14 @@ def test_state_gradients_equal_flas_kernel_at_the_hybrid_shape(config):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("seq_len, keep_states, with_state",
-                         [(1008, True, True), (1008, False, True), (496, True, False)],
-                         ids=["kept-states", "recomputed-states", "no-initial-state"])
-def test_gdn_op_on_our_kernels_matches_the_torch_backend(monkeypatch, seq_len, keep_states, with_state):
+@pytest.mark.parametrize("seq_len, keep_states, with_state, gva",
+                         [(1008, True, True, False), (1008, False, True, False), (496, True, False, False),
+                          (1008, True, True, True), (1008, False, True, True)],
+                         ids=["kept-states", "recomputed-states", "no-initial-state", "gva-kept", "gva-recomputed"])
+def test_gdn_op_on_our_kernels_matches_the_torch_backend(monkeypatch, seq_len, keep_states, with_state, gva):
     """The GDN custom op with MEGATRON_MUON_GDN_KERNELS=ours (and =triton): every output and gradient within FLA's
     tolerances of the torch backend, and all three of our kernels really ran: the state recurrences on the Gluon
-    kernels wherever Gluon is there (=ours), on the Triton ones otherwise."""
+    kernels wherever Gluon is there and the heads are not grouped (=ours), on the Triton ones otherwise."""
     from tests.ops import test_gdn_gpu
 
     calls = []
@@ -140,11 +141,12 @@ def test_gdn_op_on_our_kernels_matches_the_torch_backend(monkeypatch, seq_len, k
         kernel = getattr(module, name)
         tag = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
         monkeypatch.setattr(module, name, lambda *a, _k=kernel, _t=tag, **kw: calls.append(_t) or _k(*a, **kw))
-    for choice, states in (("ours", "state_ws" if state_ws.SWITCH.available() else "state_tma"),
-                           ("triton", "state_tma")):
+    gluon = state_ws.SWITCH.available() and not gva
+    qk_heads = test_gdn_gpu.HEADS // 2 if gva else test_gdn_gpu.HEADS
+    for choice, states in (("ours", "state_ws" if gluon else "state_tma"), ("triton", "state_tma")):
         calls.clear()
         monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels.named(choice))
-        test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, with_state, False)
+        test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, with_state, False, qk_heads)
         assert set(calls) == {f"{states}.chunk_fwd_h", f"{states}.chunk_dhu", "dqkwg.chunk_dqkwg"}, choice
 
 
@@ -159,7 +161,7 @@ def test_gdn_op_keeps_flas_kernels_when_asked(monkeypatch):
     for module, name in OUR_KERNELS:
         monkeypatch.setattr(module, name, lambda *a, _n=name, **kw: calls.append(_n))
     monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels.named("fla"))
-    test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, 1008, True, True, False)
+    test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, 1008, True, True, False, test_gdn_gpu.HEADS)
     assert calls == []
 
 
