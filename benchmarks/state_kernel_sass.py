@@ -4,7 +4,8 @@ on any machine (no GPU needed): Triton's own ptxas and nvdisasm, pointers and le
 The recurrences are latency-bound (benchmarks/results/fla_state_kernels_tma.md), so what one chunk iteration
 waits on (block barriers, TMA waits, shared-memory round trips) matters more than its tensor work.
 
-    python benchmarks/state_kernel_sass.py      # FLA's row needs flash-linear-attention importable
+    python benchmarks/state_kernel_sass.py          # FLA's row needs flash-linear-attention importable
+    python benchmarks/state_kernel_sass.py --fused  # registers, spills, shared memory of the fused forward's tiles
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ OPS = ("BAR", "SYNCS", "HMMA", "HGMMA", "LDSM", "STSM", "LDS", "STS", "STG")
 KEY_TILE = "tensordesc<bf16[1,64,64]>"  # the 64-column key slices our kernels stream
 
 
-def disassemble(fn, signature: dict, constants: dict, warps: int, stages: int | None = None) -> str:
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory one block may use on an H100 / H200
+
+
+def compile_sm90(fn, signature: dict, constants: dict, warps: int, stages: int | None = None):
+    """The kernel compiled for sm90 by Triton's own ptxas, pointers and lengths specialized as at run time."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -31,15 +36,33 @@ def disassemble(fn, signature: dict, constants: dict, warps: int, stages: int | 
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if signature[name].startswith("*") or name in ("T", "NT")}
     options = {"num_warps": warps} | ({"num_stages": stages} if stages else {})
-    kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=options)
-    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def _run_on_cubin(tool: str, kernel, *flags: str) -> str:
+    import triton
+
+    binary = Path(triton.__file__).parent / "backends/nvidia/bin" / tool
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
         cubin.write(kernel.asm["cubin"])
     try:
-        return subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(binary), *flags, cubin.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(cubin.name)
+
+
+def disassemble(fn, signature: dict, constants: dict, warps: int, stages: int | None = None) -> str:
+    return _run_on_cubin("nvdisasm", compile_sm90(fn, signature, constants, warps, stages), "-c")
+
+
+def resources(kernel) -> dict:
+    """Registers per thread, stack bytes per thread (spilled registers) and shared memory bytes of a compiled
+    kernel."""
+    usage = _run_on_cubin("cuobjdump", kernel, "--dump-resource-usage")
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+    assert found, usage
+    return {"registers": int(found.group(1)), "stack": int(found.group(2)), "shared": kernel.metadata.shared}
 
 
 def longest_loop(sass: str) -> tuple[int, collections.Counter]:
@@ -62,7 +85,7 @@ def ours_forward(block_v: int, warps: int, stages: int) -> str:
 
     signature = {"k_desc": KEY_TILE, "w_desc": KEY_TILE, "u_desc": f"tensordesc<bf16[1,64,{block_v}]>",
                  "g": "*fp32", "h0": "*fp32", "h": "*bf16", "v_new": "*bf16", "ht": "*fp32", "T": "i32", "NT": "i32"}
-    constants = dict(H=6, K=256, V=512, BT=64, BV=block_v, STAGES=stages, USE_INITIAL_STATE=False,
+    constants = dict(H=6, GROUP=1, K=256, V=512, BT=64, BV=block_v, STAGES=stages, USE_INITIAL_STATE=False,
                      STORE_FINAL_STATE=False)
     return disassemble(state_tma._chunk_state_fwd_kernel, signature | dict.fromkeys(constants, "constexpr"),
                        constants, warps)
@@ -75,7 +98,7 @@ def ours_backward(block_v: int, warps: int, stages: int) -> str:
     signature = {"q_desc": KEY_TILE, "k_desc": KEY_TILE, "w_desc": KEY_TILE, "do_desc": value_tile,
                  "dv_desc": value_tile, "g": "*fp32", "dht": "*fp32", "dh": "*bf16", "dv2": "*bf16", "dh0": "*fp32",
                  "scale": "fp32", "T": "i32", "NT": "i32"}
-    constants = dict(H=6, K=256, V=512, BT=64, BV=block_v, STAGES=stages, USE_FINAL_STATE_GRADIENT=False,
+    constants = dict(H=6, GROUP=1, K=256, V=512, BT=64, BV=block_v, STAGES=stages, USE_FINAL_STATE_GRADIENT=False,
                      USE_INITIAL_STATE=False)
     return disassemble(state_tma._chunk_state_bwd_kernel, signature | dict.fromkeys(constants, "constexpr"),
                        constants, warps)
@@ -98,12 +121,47 @@ def flas_forward(block_v: int, warps: int, stages: int) -> str:
     return disassemble(kernel, signature, constants, warps, stages)
 
 
+# (key dim, value dim, value heads, value heads per key head) of the two reference GDN shapes
+FUSED_SHAPES = {"qwen3-next": (128, 128, 32, 2), "hybrid-1.5b": (256, 512, 6, 1)}
+
+
+def fused_forward(shape: str, block_v: int, warps: int, stages: int, store_states: bool = False):
+    """Our fused chunk forward (`ops/chunk_fwd_fused.py`) compiled for sm90 at one of FUSED_SHAPES."""
+    from megatron_muon.ops import chunk_fwd_fused
+
+    key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
+    signature = {"q_desc": KEY_TILE, "k_desc": KEY_TILE, "w_desc": KEY_TILE,
+                 "u_desc": f"tensordesc<bf16[1,64,{block_v}]>", "g": "*fp32", "h0": "*fp32", "h": "*bf16",
+                 "v_new": "*bf16", "o": "*bf16", "ht": "*fp32", "scale": "fp32", "T": "i32", "NT": "i32"}
+    constants = dict(H=heads, GROUP=group, K=key_dim, V=value_dim, BT=64, BV=block_v, STAGES=stages,
+                     USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=store_states)
+    return compile_sm90(chunk_fwd_fused._chunk_fwd_fused_kernel, signature | dict.fromkeys(constants, "constexpr"),
+                        constants, warps)
+
+
+def fused_resources_table() -> None:
+    """Registers, spills and shared memory of every tile of the fused forward at both shapes."""
+    from megatron_muon.ops.chunk_fwd_fused import FUSED_CONFIGS
+
+    print("| shape | BV / warps / stages | states kept | registers | stack bytes (spills) | shared KiB |")
+    print("|---|---|---|---:|---:|---:|")
+    for shape in FUSED_SHAPES:
+        for block_v, warps, stages in FUSED_CONFIGS:
+            for store in (False, True):
+                used = resources(fused_forward(shape, block_v, warps, stages, store))
+                print(f"| {shape} | {block_v}/{warps}/{stages} | {'yes' if store else 'no'} | {used['registers']} | "
+                      f"{used['stack']} | {used['shared'] / 1024:.1f} |")
+
+
 def row(label: str, sass: str) -> str:
     count, opcodes = longest_loop(sass)
     return f"| {label} | {count} | " + " | ".join(str(opcodes[op]) for op in OPS) + " |"
 
 
 def main() -> None:
+    if "--fused" in sys.argv[1:]:
+        fused_resources_table()
+        return
     print("| kernel (BV / warps / stages) | instructions | " + " | ".join(OPS) + " |")
     print("|---|---:|" + "---:|" * len(OPS))
     print(row("ours forward 32/4/3", ours_forward(32, 4, 3)))

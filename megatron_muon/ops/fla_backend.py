@@ -6,7 +6,8 @@ forward can hand its chunk states to the backward instead of recomputing them. F
 dispatch picks TileLang for the gated backward on Hopper when the fla-tilelang backend was selected.
 On Hopper, where the inputs qualify, three of those kernels are ours instead, as `ops/kernel_choice` chooses per
 stage: the chunk-state recurrences (warp-specialized Gluon kernels, `state_ws`, where they apply; else the Triton
-ones, `state_tma`) and the chunk output gradients (`dqkwg`).
+ones, `state_tma`) and the chunk output gradients (`dqkwg`); when chosen, one fused kernel (`chunk_fwd_fused`)
+replaces the forward state kernel and FLA's output kernel.
 Imports are lazy: this module is only touched when a CUDA op runs with an FLA backend.
 """
 
@@ -15,7 +16,7 @@ import importlib.util
 
 import torch
 
-from megatron_muon.ops import dqkwg, state_tma, state_ws
+from megatron_muon.ops import chunk_fwd_fused, dqkwg, state_tma, state_ws
 from megatron_muon.ops.kernel_choice import gdn_kernels
 
 CHUNK_SIZE = 64
@@ -51,9 +52,10 @@ def chunk_states_shape(batch, seq_len, value_heads, key_dim, value_dim):
 def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_states):
     """(o, final_state or empty, g_cumsum (log2 space), A = (I + Akk)^-1, w, h, v_new) from FLA's chunk kernels.
 
-    The same four kernels as FLA's ``chunk_gated_delta_rule_fwd``; with ``keep_states`` (equal-length batches
-    only) w, the per-chunk states h and the corrected values v_new are returned so the backward does not
-    recompute them; otherwise those three are empty and the backward recomputes them as FLA does.
+    The same four kernels as FLA's ``chunk_gated_delta_rule_fwd`` (three with the fused forward); with
+    ``keep_states`` (equal-length batches only) w, the per-chunk states h and the corrected values v_new are returned
+    so the backward does not recompute them; otherwise those three are empty and the backward recomputes them as FLA
+    does.
     """
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
@@ -67,10 +69,14 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
                                       chunk_indices=chunk_indices)
         w, u, a_inverse = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cumsum, beta=beta, cu_seqlens=cu_seqlens,
                                                            chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices)
-        h, v_new, final_state = _forward_states(k, w, u, g_cumsum, _state_layout(initial_state), output_final_state,
-                                                cu_seqlens, chunk_indices)
-        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cumsum, scale=scale, state_v_first=STATE_V_FIRST,
-                        cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices)
+        if _on_fused_forward(q, k, w, u, g_cumsum, cu_seqlens):
+            o, final_state, h, v_new = chunk_fwd_fused.chunk_fwd_fused(
+                q, k, w, u, g_cumsum, scale, _state_layout(initial_state), output_final_state, store_states=keep_states)
+        else:
+            h, v_new, final_state = _forward_states(k, w, u, g_cumsum, _state_layout(initial_state),
+                                                    output_final_state, cu_seqlens, chunk_indices)
+            o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cumsum, scale=scale, state_v_first=STATE_V_FIRST,
+                            cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices)
     final_state = _state_layout(final_state)
     if final_state is None:
         final_state = torch.empty(0, dtype=torch.float32, device=q.device)
@@ -94,6 +100,12 @@ def _on_state_tma(key_side, value_side, g_cumsum, cu_seqlens) -> bool:
     """Whether the chunk-state recurrences run on our TMA kernels for these inputs."""
     return STATE_V_FIRST and gdn_kernels().states != "fla" and state_tma.qualifies(
         key_side, value_side, g_cumsum, cu_seqlens, CHUNK_SIZE)
+
+
+def _on_fused_forward(q, k, w, u, g_cumsum, cu_seqlens) -> bool:
+    """Whether the forward runs our fused kernel for these inputs."""
+    return STATE_V_FIRST and gdn_kernels().forward == "fused" and chunk_fwd_fused.qualifies(
+        q, k, w, u, g_cumsum, cu_seqlens, CHUNK_SIZE)
 
 
 def _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens) -> bool:

@@ -4,8 +4,12 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``states``: the chunk-state recurrences (forward h, backward dh): "gluon" (the warp-specialized kernels where they
   apply, our Triton ones elsewhere), "triton" (our Triton kernels) or "fla".
 - ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours" or "fla".
+- ``forward``: "split" (the forward state kernel of ``states``, then FLA's output kernel) or "fused" (our kernel that
+  computes the output inside the state recurrence, `ops/chunk_fwd_fused.py`; a backward that recomputes the states
+  still runs them on ``states``).
 
-Named presets: "ours" (gluon + ours, the default), "triton" (triton + ours) and "fla" (FLA's everywhere).
+Named presets: "ours" (gluon + ours + split, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
+split) and "fla" (FLA's everywhere).
 `set_gdn_kernels` (the recipe's ``model.gdn_kernels``) sets the choice; when nothing did, MEGATRON_MUON_GDN_KERNELS
 seeds it at the first op call. The ops read it inside their kernels, so it never becomes a guard in a compiled graph.
 """
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
 STATE_KERNELS = ("gluon", "triton", "fla")
 OUTPUT_GRAD_KERNELS = ("ours", "fla")
+FORWARD_KERNELS = ("split", "fused")
 
 
 @dataclass(frozen=True)
@@ -26,12 +31,15 @@ class GdnKernels:
 
     states: str = "gluon"
     output_grads: str = "ours"
+    forward: str = "split"
 
     def __post_init__(self):
         if self.states not in STATE_KERNELS:
             raise ValueError(f"GDN state kernels {self.states!r}; valid choices: {STATE_KERNELS}")
         if self.output_grads not in OUTPUT_GRAD_KERNELS:
             raise ValueError(f"GDN output-gradient kernels {self.output_grads!r}; valid choices: {OUTPUT_GRAD_KERNELS}")
+        if self.forward not in FORWARD_KERNELS:
+            raise ValueError(f"GDN forward kernels {self.forward!r}; valid choices: {FORWARD_KERNELS}")
 
     @classmethod
     def named(cls, name: str, where: str = "gdn_kernels") -> GdnKernels:
@@ -47,6 +55,7 @@ class GdnKernels:
 
 PRESETS = {
     "ours": GdnKernels("gluon", "ours"),
+    "fused": GdnKernels("gluon", "ours", "fused"),
     "triton": GdnKernels("triton", "ours"),
     "fla": GdnKernels("fla", "fla"),
 }

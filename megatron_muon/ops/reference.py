@@ -170,3 +170,44 @@ def chunk_output_grads_reference(q, k, v_new, w, g, h, do, dh, dv, scale: float,
             total = total + (o_t * do[:, rows]).sum() + (s_t * dh[:, t]).sum() + (x_t * dv[:, rows]).sum()
         dq, dk, dw, dg = torch.autograd.grad(total, inputs)
     return dq, dk, dw, dg / math.log(2)
+
+
+def chunk_wy_reference(k, v, g, beta, chunk: int = 64):
+    """The chunk-parallel WY terms of FLA's forward in fp32 (fp64): (w [B, T, HV, K], u [B, T, HV, V]) with
+    w = A·(β·2^g ⊙ k), u = A·(β ⊙ v) and A = (I + strictly-lower(β_i·k_i·k_j·2^(g_i − g_j)))⁻¹ per chunk; g is the
+    chunk-local cumulative log2 gate [B, T, HV]; with HV > H value head h reads key head h // (HV // H)."""
+    dtype = torch.promote_types(k.dtype, torch.float32)
+    k = k.to(dtype).repeat_interleave(v.shape[2] // k.shape[2], dim=2)
+    v, g, beta = (t.to(dtype) for t in (v, g, beta))
+    w, u = torch.empty_like(k), torch.empty_like(v)
+    for start in range(0, k.shape[1], chunk):
+        rows = slice(start, start + chunk)
+        k_c, g_c, beta_c = k[:, rows], g[:, rows], beta[:, rows]
+        length = k_c.shape[1]
+        lower = torch.ones(length, length, dtype=torch.bool).tril(-1)[None, :, :, None]  # [1, i, j, 1]
+        gaps = torch.where(lower, g_c[:, :, None] - g_c[:, None, :], 0)
+        a_kk = torch.einsum("bihk,bjhk->bijh", k_c, k_c) * torch.exp2(gaps) * beta_c[:, :, None] * lower
+        inverse = torch.linalg.inv(torch.eye(length, dtype=dtype) + a_kk.permute(0, 3, 1, 2))  # [B, HV, i, j]
+        w[:, rows] = torch.einsum("bhij,bjhk->bihk", inverse, k_c * (beta_c * torch.exp2(g_c))[..., None])
+        u[:, rows] = torch.einsum("bhij,bjhv->bihv", inverse, v[:, rows] * beta_c[..., None])
+    return w, u
+
+
+def chunk_output_reference(q, k, v_new, h, g, scale: float, chunk: int = 64):
+    """FLA's value-first `chunk_fwd_o` in fp32 (fp64): o [B, T, HV, V] with, per chunk t,
+    o_t = scale·(2^g ⊙ q_t)·h_tᵀ + scale·causal(q_t·k_tᵀ ⊙ 2^(g_i − g_j))·v_new_t; h [B, NT, HV, V, K] are the
+    states entering each chunk; with HV > H value head h reads q/k head h // (HV // H)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    groups = v_new.shape[2] // q.shape[2]
+    q, k = (t.to(dtype).repeat_interleave(groups, dim=2) for t in (q, k))
+    v_new, h, g = (t.to(dtype) for t in (v_new, h, g))
+    o = torch.empty_like(v_new)
+    for t in range(h.shape[1]):
+        rows = slice(t * chunk, (t + 1) * chunk)
+        q_t, k_t, g_t = q[:, rows], k[:, rows], g[:, rows]
+        causal = torch.ones(g_t.shape[1], g_t.shape[1], dtype=torch.bool).tril()[None, :, :, None]
+        gaps = torch.where(causal, g_t[:, :, None] - g_t[:, None, :], 0)  # [B, i, j, HV]
+        scores = torch.einsum("bihk,bjhk->bijh", q_t, k_t) * torch.exp2(gaps) * causal
+        o[:, rows] = scale * (torch.einsum("blhk,bhvk->blhv", q_t * torch.exp2(g_t)[..., None], h[:, t])
+                              + torch.einsum("bijh,bjhv->bihv", scores, v_new[:, rows]))
+    return o
