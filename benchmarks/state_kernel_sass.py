@@ -5,7 +5,7 @@ The recurrences are latency-bound (benchmarks/results/fla_state_kernels_tma.md),
 waits on (block barriers, TMA waits, shared-memory round trips) matters more than its tensor work.
 
     python benchmarks/state_kernel_sass.py          # FLA's row needs flash-linear-attention importable
-    python benchmarks/state_kernel_sass.py --fused  # registers, spills, shared memory of the fused forward's tiles
+    python benchmarks/state_kernel_sass.py --fused  # registers, spills, shared memory of the fused kernels' tiles
 """
 
 from __future__ import annotations
@@ -92,16 +92,23 @@ def ours_forward(block_v: int, warps: int, stages: int) -> str:
 
 
 def ours_backward(block_v: int, warps: int, stages: int) -> str:
+    return _run_on_cubin("nvdisasm", backward_kernel("hybrid-1.5b", block_v, warps, stages, local_dv=False), "-c")
+
+
+def backward_kernel(shape: str, block_v: int, warps: int, stages: int, local_dv: bool):
+    """Our state-gradient kernel compiled for sm90 at one of FUSED_SHAPES; `local_dv` fuses FLA's
+    `chunk_bwd_dv_local` into it (the "fused" output terms)."""
     from megatron_muon.ops import state_tma
 
+    key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
     value_tile = f"tensordesc<bf16[1,64,{block_v}]>"
     signature = {"q_desc": KEY_TILE, "k_desc": KEY_TILE, "w_desc": KEY_TILE, "do_desc": value_tile,
                  "dv_desc": value_tile, "g": "*fp32", "dht": "*fp32", "dh": "*bf16", "dv2": "*bf16", "dh0": "*fp32",
                  "scale": "fp32", "T": "i32", "NT": "i32"}
-    constants = dict(H=6, GROUP=1, K=256, V=512, BT=64, BV=block_v, STAGES=stages, USE_FINAL_STATE_GRADIENT=False,
-                     USE_INITIAL_STATE=False)
-    return disassemble(state_tma._chunk_state_bwd_kernel, signature | dict.fromkeys(constants, "constexpr"),
-                       constants, warps)
+    constants = dict(H=heads, GROUP=group, K=key_dim, V=value_dim, BT=64, BV=block_v, STAGES=stages,
+                     USE_FINAL_STATE_GRADIENT=False, USE_INITIAL_STATE=False, LOCAL_DV=local_dv)
+    return compile_sm90(state_tma._chunk_state_bwd_kernel, signature | dict.fromkeys(constants, "constexpr"),
+                        constants, warps)
 
 
 def flas_forward(block_v: int, warps: int, stages: int) -> str:
@@ -140,17 +147,24 @@ def fused_forward(shape: str, block_v: int, warps: int, stages: int, store_state
 
 
 def fused_resources_table() -> None:
-    """Registers, spills and shared memory of every tile of the fused forward at both shapes."""
+    """Registers, spills and shared memory of every tile of the fused forward, and of the state-gradient kernel with
+    the local value gradient fused in, at both shapes."""
     from megatron_muon.ops.chunk_fwd_fused import FUSED_CONFIGS
+    from megatron_muon.ops.state_tma import BACKWARD_CONFIGS
 
-    print("| shape | BV / warps / stages | states kept | registers | stack bytes (spills) | shared KiB |")
+    print("| kernel | shape | BV / warps / stages | registers | stack bytes (spills) | shared KiB |")
     print("|---|---|---|---:|---:|---:|")
     for shape in FUSED_SHAPES:
-        for block_v, warps, stages in FUSED_CONFIGS:
-            for store in (False, True):
-                used = resources(fused_forward(shape, block_v, warps, stages, store))
-                print(f"| {shape} | {block_v}/{warps}/{stages} | {'yes' if store else 'no'} | {used['registers']} | "
-                      f"{used['stack']} | {used['shared'] / 1024:.1f} |")
+        kernels = [(f"fused forward{', states kept' if store else ''}", config,
+                    lambda c=config, s=store: fused_forward(shape, *c, s))
+                   for config in FUSED_CONFIGS for store in (False, True)]
+        kernels += [(f"state gradient{', local dv' if local else ''}", config,
+                     lambda c=config, d=local: backward_kernel(shape, *c, d))
+                    for config in BACKWARD_CONFIGS for local in (False, True)]
+        for name, (block_v, warps, stages), build in kernels:
+            used = resources(build())
+            print(f"| {name} | {shape} | {block_v}/{warps}/{stages} | {used['registers']} | {used['stack']} | "
+                  f"{used['shared'] / 1024:.1f} |")
 
 
 def row(label: str, sass: str) -> str:

@@ -104,7 +104,7 @@ def _on_state_tma(key_side, value_side, g_cumsum, cu_seqlens) -> bool:
 
 def _on_fused_forward(q, k, w, u, g_cumsum, cu_seqlens) -> bool:
     """Whether the forward runs our fused kernel for these inputs."""
-    return STATE_V_FIRST and gdn_kernels().forward == "fused" and chunk_fwd_fused.qualifies(
+    return STATE_V_FIRST and gdn_kernels().output_terms == "fused" and chunk_fwd_fused.qualifies(
         q, k, w, u, g_cumsum, cu_seqlens, CHUNK_SIZE)
 
 
@@ -150,10 +150,27 @@ def _extend_dhu_autotune() -> None:
     autotuner.configs += [triton.Config({"BV": 16}, num_warps=2, num_stages=stages) for stages in (2, 3)]
 
 
+def _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_indices):
+    """(per-chunk state gradients dh, dh0, the gradient of u): the chunks' own value gradient (FLA's
+    `chunk_bwd_dv_local`) and the state-gradient recurrence, as two kernels or, with fused output terms, one of ours."""
+    if STATE_V_FIRST and gdn_kernels().output_terms == "fused" and state_tma.qualifies(
+            [q, k, w], [do], g_cumsum, cu_seqlens, CHUNK_SIZE):
+        return state_tma.chunk_dhu(q, k, w, g_cumsum, do, None, scale, dht=dht, want_dh0=h0 is not None)
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+
+    common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    dv = chunk_bwd_dv_local(q=q, k=k, g=g_cumsum, do=do, scale=scale, chunk_size=CHUNK_SIZE, **common)
+    if _on_state_tma([q, k, w], [do, dv], g_cumsum, cu_seqlens):
+        return _state_kernel("chunk_dhu", [q, k, w], [do, dv], q, k, w, g_cumsum, do, dv, scale, dht=dht,
+                             want_dh0=h0 is not None)
+    return chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g_cumsum, h0=h0, dht=dht, do=do, dv=dv, scale=scale,
+                                          state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
+
+
 def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, initial_state, cu_seqlens, do, dht):
     """FLA's ``chunk_gated_delta_rule_bwd`` without its recomputation when the forward kept w, h and v_new."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
-    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg
     from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum
 
@@ -166,15 +183,7 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
         if h.numel() == 0:
             w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a_inverse, g=g_cumsum, **common)
             h, v_new, _ = _forward_states(k, w, u, g_cumsum, h0, False, cu_seqlens, chunk_indices)
-        dv = chunk_bwd_dv_local(q=q, k=k, g=g_cumsum, do=do, scale=scale, chunk_size=CHUNK_SIZE, **common)
-        if _on_state_tma([q, k, w], [do, dv], g_cumsum, cu_seqlens):
-            dh, dh0, dv = _state_kernel("chunk_dhu", [q, k, w], [do, dv], q, k, w, g_cumsum, do, dv, scale, dht=dht,
-                                        want_dh0=h0 is not None)
-        else:
-            dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
-                q=q, k=k, w=w, g=g_cumsum, h0=h0, dht=dht, do=do, dv=dv, scale=scale, state_v_first=STATE_V_FIRST,
-                chunk_size=CHUNK_SIZE, **common,
-            )
+        dh, dh0, dv = _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_indices)
         if _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens):
             dq, dk, dw, dg = dqkwg.chunk_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, scale)
         else:

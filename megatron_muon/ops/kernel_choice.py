@@ -4,12 +4,13 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``states``: the chunk-state recurrences (forward h, backward dh): "gluon" (the warp-specialized kernels where they
   apply, our Triton ones elsewhere), "triton" (our Triton kernels) or "fla".
 - ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours" or "fla".
-- ``forward``: "split" (the forward state kernel of ``states``, then FLA's output kernel) or "fused" (our kernel that
-  computes the output inside the state recurrence, `ops/chunk_fwd_fused.py`; a backward that recomputes the states
-  still runs them on ``states``).
+- ``output_terms``: the intra-chunk terms beside the state recurrences, the forward's output and the backward's
+  local value gradient: "fla" (FLA's `chunk_fwd_o` and `chunk_bwd_dv_local`, around the recurrences of ``states``)
+  or "fused" (computed inside our Triton recurrences: `ops/chunk_fwd_fused.py` and `state_tma.chunk_dhu` without
+  dv; a backward that recomputes the forward states still runs them on ``states``).
 
-Named presets: "ours" (gluon + ours + split, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
-split) and "fla" (FLA's everywhere).
+Named presets: "ours" (gluon + ours + fla, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
+fla) and "fla" (FLA's everywhere).
 `set_gdn_kernels` (the recipe's ``model.gdn_kernels``) sets the choice; when nothing did, MEGATRON_MUON_GDN_KERNELS
 seeds it at the first op call. The ops read it inside their kernels, so it never becomes a guard in a compiled graph.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
 STATE_KERNELS = ("gluon", "triton", "fla")
 OUTPUT_GRAD_KERNELS = ("ours", "fla")
-FORWARD_KERNELS = ("split", "fused")
+OUTPUT_TERM_KERNELS = ("fla", "fused")
 
 
 @dataclass(frozen=True)
@@ -31,15 +32,15 @@ class GdnKernels:
 
     states: str = "gluon"
     output_grads: str = "ours"
-    forward: str = "split"
+    output_terms: str = "fla"
 
     def __post_init__(self):
         if self.states not in STATE_KERNELS:
             raise ValueError(f"GDN state kernels {self.states!r}; valid choices: {STATE_KERNELS}")
         if self.output_grads not in OUTPUT_GRAD_KERNELS:
             raise ValueError(f"GDN output-gradient kernels {self.output_grads!r}; valid choices: {OUTPUT_GRAD_KERNELS}")
-        if self.forward not in FORWARD_KERNELS:
-            raise ValueError(f"GDN forward kernels {self.forward!r}; valid choices: {FORWARD_KERNELS}")
+        if self.output_terms not in OUTPUT_TERM_KERNELS:
+            raise ValueError(f"GDN output-term kernels {self.output_terms!r}; valid choices: {OUTPUT_TERM_KERNELS}")
 
     @classmethod
     def named(cls, name: str, where: str = "gdn_kernels") -> GdnKernels:

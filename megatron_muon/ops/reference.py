@@ -211,3 +211,22 @@ def chunk_output_reference(q, k, v_new, h, g, scale: float, chunk: int = 64):
         o[:, rows] = scale * (torch.einsum("blhk,bhvk->blhv", q_t * torch.exp2(g_t)[..., None], h[:, t])
                               + torch.einsum("bijh,bjhv->bihv", scores, v_new[:, rows]))
     return o
+
+
+def chunk_local_dv_reference(q, k, g, do, scale: float, chunk: int = 64):
+    """FLA's `chunk_bwd_dv_local` in fp32 (fp64): the gradient of v_new through each chunk's own output term,
+    dv_j = scale·Σ_{i ≥ j in the chunk} (q_i·k_j)·2^(g_i − g_j)·do_i, [B, T, HV, V]; with HV > H value head h reads
+    q/k head h // (HV // H)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    groups = do.shape[2] // q.shape[2]
+    q, k = (t.to(dtype).repeat_interleave(groups, dim=2) for t in (q, k))
+    g, do = g.to(dtype), do.to(dtype)
+    dv = torch.empty_like(do)
+    for start in range(0, q.shape[1], chunk):
+        rows = slice(start, start + chunk)
+        q_t, k_t, g_t = q[:, rows], k[:, rows], g[:, rows]
+        causal = torch.ones(g_t.shape[1], g_t.shape[1], dtype=torch.bool).tril()[None, :, :, None]  # [1, i, j, 1]
+        gaps = torch.where(causal, g_t[:, :, None] - g_t[:, None, :], 0)
+        scores = torch.einsum("bihk,bjhk->bijh", q_t, k_t) * torch.exp2(gaps) * causal
+        dv[:, rows] = scale * torch.einsum("bijh,bihv->bjhv", scores, do[:, rows])
+    return dv

@@ -169,18 +169,41 @@ if triton is not None:
     @triton.jit
     def _dh_slice_update(b_dh, q_desc, w_desc, key_where, where, b_do_gated_t, b_dv2t, decay, scale,
                          BT: tl.constexpr, KS: tl.constexpr):
-        """One key slice of dh ← 2^g_last·dh + scale·(gated do)ᵀ·q − dv2ᵀ·w (q at `key_where`, w at `where`)."""
+        """One key slice of dh ← 2^g_last·dh + scale·(gated do)ᵀ·q − dv2ᵀ·w (q at `key_where`, w at
+        `where`)."""
         b_q = q_desc.load(key_where).reshape(BT, KS)
         b_w = w_desc.load(where).reshape(BT, KS)
         return b_dh * decay + tl.dot(b_do_gated_t, b_q) * scale - tl.dot(b_dv2t, b_w)
+
+    @triton.jit
+    def _local_dv_t(q_desc, k_desc, b_do, b_g, batch, t0, key_column, scale, K: tl.constexpr, BT: tl.constexpr,
+                    KS: tl.constexpr):
+        """dvᵀ [BV, BT] of the chunk's own output (FLA's `chunk_bwd_dv_local`): scale·doᵀ·M with
+        M_ij = q_i·k_j·2^(g_i − g_j) for j ≤ i, zero above the diagonal."""
+        b_qk = tl.dot(q_desc.load([batch, t0, key_column]).reshape(BT, KS),
+                      tl.trans(k_desc.load([batch, t0, key_column]).reshape(BT, KS)))
+        if K > 64:
+            b_qk += tl.dot(q_desc.load([batch, t0, key_column + KS]).reshape(BT, KS),
+                           tl.trans(k_desc.load([batch, t0, key_column + KS]).reshape(BT, KS)))
+        if K > 128:
+            b_qk += tl.dot(q_desc.load([batch, t0, key_column + 2 * KS]).reshape(BT, KS),
+                           tl.trans(k_desc.load([batch, t0, key_column + 2 * KS]).reshape(BT, KS)))
+            b_qk += tl.dot(q_desc.load([batch, t0, key_column + 3 * KS]).reshape(BT, KS),
+                           tl.trans(k_desc.load([batch, t0, key_column + 3 * KS]).reshape(BT, KS)))
+        rows = tl.arange(0, BT)
+        causal = rows[:, None] >= rows[None, :]  # [i, j]: token j at or before token i
+        b_m = tl.where(causal, b_qk * tl.exp2(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+        return tl.dot(tl.trans(b_do), b_m.to(b_do.dtype)) * scale
 
     @triton.jit
     def _chunk_state_bwd_kernel(
         q_desc, k_desc, w_desc, do_desc, dv_desc, g, dht, dh, dv2, dh0, scale, T, NT,
         H: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
         STAGES: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+        LOCAL_DV: tl.constexpr,
     ):  # fmt: skip
-        """The state gradient in key slices of 64 columns, as in the forward."""
+        """The state gradient in key slices of 64 columns, as in the forward. With LOCAL_DV the chunk's own value
+        gradient is computed here (`_local_dv_t`) instead of read from dv."""
         KS: tl.constexpr = 64
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1).to(tl.int64)
@@ -211,10 +234,13 @@ if triton is not None:
                 b_dv2t += tl.dot(b_dh3.to(k_desc.dtype), tl.trans(b_k))
             value_where = [batch, t0, (i_h * V + i_v * BV).to(tl.int32)]
             b_do = do_desc.load(value_where).reshape(BT, BV)
-            b_dv = dv_desc.load(value_where).reshape(BT, BV)
             b_g, b_g_last, inside = _chunk_gates(g, i_b, i_h, t0, T, H, BT)
-            b_dv2t = b_dv2t * tl.where(inside, tl.exp2(b_g_last - b_g), 0.0)[None, :] + tl.trans(b_dv).to(tl.float32)
-            b_dv2t = b_dv2t.to(b_dv.dtype)  # dv2ᵀ [BV, BT]
+            if LOCAL_DV:
+                b_dvt = _local_dv_t(q_desc, k_desc, b_do, b_g, batch, t0, key_column, scale, K, BT, KS)
+            else:
+                b_dvt = tl.trans(dv_desc.load(value_where).reshape(BT, BV)).to(tl.float32)
+            b_dv2t = b_dv2t * tl.where(inside, tl.exp2(b_g_last - b_g), 0.0)[None, :] + b_dvt
+            b_dv2t = b_dv2t.to(b_do.dtype)  # dv2ᵀ [BV, BT]
             _store_rows(dv2, b_dv2t, i_b, i_h, t0, T, o_v, H, V, BT)
             b_do_gated_t = (tl.trans(b_do).to(tl.float32) * tl.exp2(b_g)[None, :]).to(b_do.dtype)  # [BV, BT]
             decay = tl.exp2(b_g_last)
@@ -240,6 +266,9 @@ if triton is not None:
 # L2 (docs/design/gdn_kernels.md).
 FORWARD_CONFIGS = [(32, 4, 3), (32, 8, 3), (32, 8, 2), (32, 4, 4), (16, 4, 3), (16, 4, 2), (64, 8, 2)]
 BACKWARD_CONFIGS = [(32, 8, 2), (32, 8, 3), (16, 4, 2), (16, 4, 3), (16, 8, 2), (32, 4, 2), (64, 8, 1)]
+# With the local value gradient computed in the backward kernel (dv None) the tile also streams q·kᵀ's tiles: the
+# 3-stage tiles exceed the block's shared memory at key dim 256 (`benchmarks/state_kernel_sass.py --fused`).
+LOCAL_DV_CONFIGS = [config for config in BACKWARD_CONFIGS if config[2] < 3]
 _INTERPRETER_CONFIG = (16, 4, 1)
 
 
@@ -284,21 +313,23 @@ def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False
 
 
 def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False, config=None):
-    """(dh [B, NT, HV, V, K], dh0 [B, HV, V, K] fp32 or None, dv2 like dv) as FLA's value-first
+    """(dh [B, NT, HV, V, K], dh0 [B, HV, V, K] fp32 or None, dv2 like do) as FLA's value-first
     `chunk_gated_delta_rule_bwd_dhu`, with q, k [B, T, H, K] and w [B, T, HV, K]; `config` = (BV, warps, stages)
-    pins a tile."""
+    pins a tile. dv None: the kernel computes the chunks' own value gradient (FLA's `chunk_bwd_dv_local`) itself."""
     batch, seq_len, heads, key_dim = w.shape
     value_dim = do.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
-    block_v, warps, stages = _tile(value_dim, config, BACKWARD_CONFIGS)
+    block_v, warps, stages = _tile(value_dim, config, BACKWARD_CONFIGS if dv is not None else LOCAL_DV_CONFIGS)
     dh = q.new_empty(batch, chunks, heads, value_dim, key_dim)
-    dv2 = torch.empty_like(dv)
+    dv2 = torch.empty_like(do)
     dh0 = q.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if want_dh0 else None
     dht = None if dht is None else dht.contiguous()
     _chunk_state_bwd_kernel[(value_dim // block_v, batch * heads)](
         _descriptor(q, KEY_SLICE), _descriptor(k, KEY_SLICE), _descriptor(w, KEY_SLICE), _descriptor(do, block_v),
-        _descriptor(dv, block_v), g.contiguous(), dht, dh, dv2, dh0, float(scale), seq_len, chunks,
+        _descriptor(do if dv is None else dv, block_v), g.contiguous(), dht, dh, dv2, dh0, float(scale), seq_len,
+        chunks,
         H=heads, GROUP=heads // q.shape[2], K=key_dim, V=value_dim, BT=CHUNK, BV=block_v, STAGES=stages,
-        USE_FINAL_STATE_GRADIENT=dht is not None, USE_INITIAL_STATE=want_dh0, num_warps=warps,
+        USE_FINAL_STATE_GRADIENT=dht is not None, USE_INITIAL_STATE=want_dh0, LOCAL_DV=dv is None,
+        num_warps=warps,
     )
     return dh, dh0, dv2

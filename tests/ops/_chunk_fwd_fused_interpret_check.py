@@ -7,7 +7,12 @@ from tests.interpreter import patch_for_numpy_2_5
 patch_for_numpy_2_5()
 
 from megatron_muon.ops.chunk_fwd_fused import chunk_fwd_fused, qualifies  # noqa: E402
-from megatron_muon.ops.reference import chunk_output_reference, chunk_state_forward_reference  # noqa: E402
+from megatron_muon.ops.reference import (  # noqa: E402
+    chunk_local_dv_reference,
+    chunk_output_reference,
+    chunk_state_backward_reference,
+    chunk_state_forward_reference,
+)
 from tests.ops._state_tma_interpret_check import chunk_local_log2_gates, relative  # noqa: E402
 
 
@@ -51,6 +56,14 @@ def main():
         assert fla_backend._on_fused_forward(q, k, w, u, gates, None) == fused, preset
     kernel_choice.set_gdn_kernels("fused")
     assert not fla_backend._on_fused_forward(q, k, w, u, gates, torch.tensor([0, 64, seq_len]))  # packed: split
+    # and the backward's state gradients take the local value gradient inside our kernel
+    do = torch.randn(batch, seq_len, heads, value_dim, generator=gen).half()
+    dh, dh0, du = fla_backend._state_gradients(q, k, w, gates, do, scale, state, state, None, None)
+    q_per_value_head = q.repeat_interleave(heads // key_heads, dim=2)
+    reference = chunk_state_backward_reference(q_per_value_head, k_per_value_head, w, gates, do,
+                                               chunk_local_dv_reference(q, k, gates, do, scale), scale, dht=state)
+    errors = [relative(a, b) for a, b in zip((dh, dh0, du), reference)]
+    assert max(errors) < 2e-3, errors
     print("interpreter ok")
 
 

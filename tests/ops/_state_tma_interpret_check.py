@@ -7,6 +7,7 @@ from tests.interpreter import patch_for_numpy_2_5
 patch_for_numpy_2_5()
 
 from megatron_muon.ops.reference import (  # noqa: E402
+    chunk_local_dv_reference,
     chunk_state_backward_reference,
     chunk_state_forward_reference,
 )
@@ -62,6 +63,13 @@ def main():
         errors = [relative(a, b) for a, b in zip(backward, reference)]
         assert max(errors) < 2e-3, ("backward", errors)
         assert backward[1].dtype == forward[2].dtype == torch.float32
+        # dv None: the kernel adds the chunks' own value gradient (FLA's chunk_bwd_dv_local) itself
+        local_dv = chunk_local_dv_reference(q, k, gates, do, scale)
+        backward = chunk_dhu(q, k, w, gates, do, None, scale, dht=state, want_dh0=True)
+        reference = chunk_state_backward_reference(q_per_value_head, k_per_value_head, w, gates, do, local_dv, scale,
+                                                   dht=state)
+        errors = [relative(a, b) for a, b in zip(backward, reference)]
+        assert max(errors) < 2e-3, ("backward with the local value gradient", errors)
     assert not qualifies([q, k, w], [do, dv], gates, torch.tensor([0, 64]), CHUNK)  # packed sequences stay on FLA
     two_heads = torch.zeros(1, 64, 2, 64).half()
     assert not qualifies([two_heads], [torch.zeros(1, 64, 3, 16).half()], torch.zeros(1, 64, 3), None, CHUNK)

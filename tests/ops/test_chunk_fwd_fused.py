@@ -55,27 +55,32 @@ def test_fused_forward_under_triton_interpreter():
 
 
 def test_every_fused_tile_fits_an_sm90_block():
-    """Each tile compiled for sm90 (Triton's ptxas, no GPU needed) at both reference shapes, with and without kept
-    states: within the block's shared memory; the default tile spills no registers."""
+    """Each tile of the fused forward (with and without kept states) and of the state-gradient kernel with the local
+    value gradient inside, compiled for sm90 (Triton's ptxas, no GPU needed) at both reference shapes: within the
+    block's shared memory; the default tiles spill no registers."""
     pytest.importorskip("triton", reason="ptxas comes with Triton")
     sys.path.insert(0, str(BENCHMARKS))
     import state_kernel_sass
 
+    from megatron_muon.ops.state_tma import LOCAL_DV_CONFIGS
+
     for shape in state_kernel_sass.FUSED_SHAPES:
-        for index, (block_v, warps, stages) in enumerate(chunk_fwd_fused.FUSED_CONFIGS):
-            for store_states in (False, True):
-                kernel = state_kernel_sass.fused_forward(shape, block_v, warps, stages, store_states)
-                used = state_kernel_sass.resources(kernel)
-                assert used["shared"] <= state_kernel_sass.SHARED_MEMORY_LIMIT, (shape, block_v, warps, used)
-                if index == 0:
-                    assert used["stack"] == 0, (shape, used)
+        kernels = [(index, lambda c=config, s=store: state_kernel_sass.fused_forward(shape, *c, s))
+                   for index, config in enumerate(chunk_fwd_fused.FUSED_CONFIGS) for store in (False, True)]
+        kernels += [(index, lambda c=config: state_kernel_sass.backward_kernel(shape, *c, local_dv=True))
+                    for index, config in enumerate(LOCAL_DV_CONFIGS)]
+        for index, build in kernels:
+            used = state_kernel_sass.resources(build())
+            assert used["shared"] <= state_kernel_sass.SHARED_MEMORY_LIMIT, (shape, index, used)
+            if index == 0:
+                assert used["stack"] == 0, (shape, used)
 
 
 def test_the_fused_preset_and_its_errors():
     assert kernel_choice.GdnKernels.named("fused") == kernel_choice.GdnKernels("gluon", "ours", "fused")
-    assert kernel_choice.GdnKernels().forward == "split"  # the measured default until the fused one measures faster
-    with pytest.raises(ValueError, match="GDN forward kernels 'one'; valid choices"):
-        kernel_choice.GdnKernels(forward="one")
+    assert kernel_choice.GdnKernels().output_terms == "fla"  # the measured default until fused measures faster
+    with pytest.raises(ValueError, match="GDN output-term kernels 'one'; valid choices"):
+        kernel_choice.GdnKernels(output_terms="one")
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -145,13 +150,16 @@ def test_fused_forward_equals_the_split_kernels(shape, config):
                          ids=["kept-states", "recomputed-states", "gva"])
 def test_gdn_op_on_the_fused_forward_matches_the_torch_backend(monkeypatch, seq_len, keep_states, gva):
     """The GDN custom op with the "fused" kernels: outputs and all gradients within FLA's tolerances of the torch
-    backend, and the fused forward really ran."""
+    backend, and both fused kernels really ran (the forward, and the state gradients with dv None)."""
+    from megatron_muon.ops import state_tma
     from tests.ops import test_gdn_gpu
 
     calls = []
-    kernel = chunk_fwd_fused.chunk_fwd_fused
-    monkeypatch.setattr(chunk_fwd_fused, "chunk_fwd_fused", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    forward, backward = chunk_fwd_fused.chunk_fwd_fused, state_tma.chunk_dhu
+    monkeypatch.setattr(chunk_fwd_fused, "chunk_fwd_fused", lambda *a, **kw: calls.append("fwd") or forward(*a, **kw))
+    monkeypatch.setattr(state_tma, "chunk_dhu",
+                        lambda *a, **kw: calls.append("bwd" if a[5] is None else "dhu") or backward(*a, **kw))
     monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels.named("fused"))
     qk_heads = test_gdn_gpu.HEADS // 2 if gva else test_gdn_gpu.HEADS
     test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, True, False, qk_heads)
-    assert calls, "the fused forward did not run"
+    assert "fwd" in calls and "bwd" in calls and "dhu" not in calls, calls

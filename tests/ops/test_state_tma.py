@@ -39,6 +39,22 @@ def test_the_backward_reference_is_the_adjoint_of_the_forward_reference():
     torch.testing.assert_close(ref_dh0, dh0, rtol=1e-10, atol=1e-10)
 
 
+def test_the_local_value_gradient_reference_is_the_adjoint_of_the_chunk_output():
+    """fp64, GVA: autograd of the chunk output's loss against do through v_new (states held) is FLA's dv_local."""
+    from megatron_muon.ops.reference import chunk_local_dv_reference, chunk_output_reference
+
+    torch.manual_seed(1)
+    batch, seq_len, heads, value_heads, key_dim, value_dim, scale = 2, 150, 1, 2, 16, 8, 0.25
+    q, k = (torch.randn(batch, seq_len, heads, key_dim, dtype=torch.float64) * 0.3 for _ in range(2))
+    v_new = torch.randn(batch, seq_len, value_heads, value_dim, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(batch, 3, value_heads, value_dim, key_dim, dtype=torch.float64)
+    steps = -torch.rand(batch, seq_len, value_heads, dtype=torch.float64) * 0.3
+    g = torch.cat([steps[:, i : i + 64].cumsum(1) for i in range(0, seq_len, 64)], dim=1)
+    do = torch.randn(batch, seq_len, value_heads, value_dim, dtype=torch.float64)
+    (dv,) = torch.autograd.grad((chunk_output_reference(q, k, v_new, h, g, scale) * do).sum(), [v_new])
+    torch.testing.assert_close(chunk_local_dv_reference(q, k, g, do, scale), dv, rtol=1e-10, atol=1e-10)
+
+
 def test_kernels_under_triton_interpreter():
     """Partial last chunk, two batch elements and heads, with and without initial / final states."""
     pytest.importorskip("triton", reason="the interpreter comes with Triton")
@@ -122,6 +138,35 @@ def test_state_gradients_equal_flas_kernel_at_the_hybrid_shape(config):
             chunk_size=64),
         lambda q, k, w, u, do, dv, g, s: chunk_state_backward_reference(q, k, w, g, do, dv, scale, dht=s),
     )
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("config", state_tma.LOCAL_DV_CONFIGS, ids=str)
+def test_state_gradients_with_the_local_value_gradient_equal_flas_two_kernels(config):
+    """bf16 at the hybrid-1.5B shape, every tile that takes dv None: the kernel with the chunks' own value gradient
+    inside equals FLA's `chunk_bwd_dv_local` followed by its state-gradient kernel."""
+    pytest.importorskip("fla", reason="needs flash-linear-attention")
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+
+    from megatron_muon.ops.reference import chunk_local_dv_reference, chunk_state_backward_reference
+
+    scale = 256**-0.5
+
+    def flas(q, k, w, u, do, dv, g, s):
+        local = chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=scale, chunk_size=64)
+        return chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g, h0=torch.zeros_like(s), dht=s, do=do, dv=local,
+                                              scale=scale, state_v_first=True, chunk_size=64)
+
+    def reference(q, k, w, u, do, dv, g, s):
+        local = chunk_local_dv_reference(q, k, g, do, scale)
+        return chunk_state_backward_reference(q, k, w, g, do, local, scale, dht=s)
+
+    _check_against_fla_and_reference(
+        lambda q, k, w, u, do, dv, g, s: state_tma.chunk_dhu(q, k, w, g, do, None, scale, dht=s, want_dh0=True,
+                                                             config=config),
+        flas, reference)
 
 
 @pytest.mark.gpu
