@@ -34,13 +34,12 @@ SWITCH = KernelSwitch("warp-specialized Hopper GDN state kernel")
 
 
 def ready(key_side: list, value_side: list) -> bool:
-    """On top of `state_tma.qualifies` (which the caller checked): Gluon, an sm90 GPU, value blocks of 32, one
-    sequence or whole chunks, and one value head per key head (GVA stays on the Triton kernels)."""
+    """On top of `state_tma.qualifies` (which the caller checked): Gluon, an sm90 GPU, value blocks of 32, and one
+    sequence or whole chunks."""
     first = key_side[0]
     batch, seq_len = first.shape[:2]
     return (SWITCH.available() and first.is_cuda and is_hopper(first.device.index or 0)
-            and value_side[0].shape[-1] % BLOCK_V == 0 and (batch == 1 or seq_len % CHUNK == 0)
-            and all(t.shape[2] == value_side[0].shape[2] for t in key_side))
+            and value_side[0].shape[-1] % BLOCK_V == 0 and (batch == 1 or seq_len % CHUNK == 0))
 
 
 if gluon is not None:
@@ -62,9 +61,10 @@ if gluon is not None:
 
     @gluon.jit
     def _key_loader(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, u_desc, u_bufs, ready_bars, empty_bars,
-                    row0, k_col, v_col, NT, NS: gl.constexpr, THREE: gl.constexpr, WITH_U: gl.constexpr,
+                    row0, a_col, b_col, c_col, v_col, NT, NS: gl.constexpr, THREE: gl.constexpr, WITH_U: gl.constexpr,
                     REVERSE: gl.constexpr):
-        """Producer warp: each chunk's key-side slices (two or three tensors) and optionally its u tile."""
+        """Producer warp: each chunk's key-side slices (two or three tensors, each at its own head's columns) and
+        optionally its u tile."""
         nbytes: gl.constexpr = ((3 if THREE else 2) * NS * a_desc.block_type.nbytes
                                 + (u_desc.block_type.nbytes if WITH_U else 0))
         for i in range(NT):
@@ -73,10 +73,10 @@ if gluon is not None:
             bar = ready_bars.index(slot)
             mbarrier.expect(bar, nbytes)
             row = row0 + ((NT - 1 - i) if REVERSE else i) * 64
-            _load_chunk(a_desc, a_bufs, bar, row, k_col, NS, slot)
-            _load_chunk(b_desc, b_bufs, bar, row, k_col, NS, slot)
+            _load_chunk(a_desc, a_bufs, bar, row, a_col, NS, slot)
+            _load_chunk(b_desc, b_bufs, bar, row, b_col, NS, slot)
             if THREE:
-                _load_chunk(c_desc, c_bufs, bar, row, k_col, NS, slot)
+                _load_chunk(c_desc, c_bufs, bar, row, c_col, NS, slot)
             if WITH_U:
                 tma.async_copy_global_to_shared(u_desc, [row, v_col], bar, u_bufs.index(slot))
 
@@ -211,8 +211,9 @@ if gluon is not None:
 
     @gluon.jit
     def _chunk_state_fwd_ws_kernel(k_desc, w_desc, u_desc, h_desc, v_desc, g, h0, ht, T, NT, H: gl.constexpr,
-                                   K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                                   GROUP: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                                    USE_INITIAL_STATE: gl.constexpr, STORE_FINAL_STATE: gl.constexpr):
+        """H counts value heads; k is read at key head i_h // GROUP, w at value head i_h."""
         NS: gl.constexpr = K // 64
         dtype: gl.constexpr = k_desc.dtype
         i_v, i_bh = gl.program_id(0), gl.program_id(1)
@@ -236,7 +237,7 @@ if gluon is not None:
                                  v_desc, g, h0, ht, T, NT, row0, v_col, i_b, i_h, i_v, i_bh, H, K, V, BV,
                                  USE_INITIAL_STATE, STORE_FINAL_STATE)),
             (_key_loader, (k_desc, w_desc, k_desc, k_bufs, w_bufs, k_bufs, u_desc, u_bufs, ready_bars, empty_bars,
-                           row0, i_h * K, v_col, NT, NS, False, True, False)),
+                           row0, i_h // GROUP * K, i_h * K, i_h // GROUP * K, v_col, NT, NS, False, True, False)),
         ], [1], [40])
 
     @gluon.jit
@@ -287,8 +288,10 @@ if gluon is not None:
 
     @gluon.jit
     def _chunk_state_bwd_ws_kernel(q_desc, k_desc, w_desc, dh_desc, dv2_desc, do, dv, g, dht, dh0, scale, T, NT,
-                                   H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-                                   USE_FINAL_STATE_GRADIENT: gl.constexpr, USE_INITIAL_STATE: gl.constexpr):
+                                   H: gl.constexpr, GROUP: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+                                   BV: gl.constexpr, USE_FINAL_STATE_GRADIENT: gl.constexpr,
+                                   USE_INITIAL_STATE: gl.constexpr):
+        """H counts value heads; q and k are read at key head i_h // GROUP, w at value head i_h."""
         NS: gl.constexpr = K // 64
         dtype: gl.constexpr = k_desc.dtype
         i_v, i_bh = gl.program_id(0), gl.program_id(1)
@@ -310,7 +313,8 @@ if gluon is not None:
                                   dv2_desc, do, dv, g, dht, dh0, scale, T, NT, row0, i_b, i_h, i_v, i_bh, H, K, V,
                                   BV, USE_FINAL_STATE_GRADIENT, USE_INITIAL_STATE)),
             (_key_loader, (k_desc, w_desc, q_desc, k_bufs, w_bufs, q_bufs, dv2_desc, dog_buf, ready_bars,
-                           empty_bars, row0, i_h * K, 0, NT, NS, True, False, True)),
+                           empty_bars, row0, i_h // GROUP * K, i_h * K, i_h // GROUP * K, 0, NT, NS, True, False,
+                           True)),
         ], [1], [40])
 
 
@@ -330,7 +334,7 @@ def _rows(t: torch.Tensor, block: list, layout):
 
 def _outputs(key: torch.Tensor, value: torch.Tensor, want_boundary: bool):
     """(per-chunk states [B, NT, H, V, K], a tensor like `value`, a [B, H, V, K] fp32 boundary state or None) and
-    the launch grid (value blocks, batch·heads)."""
+    the launch grid (value blocks, batch·heads), for a key-side tensor `key` with the value heads (w)."""
     batch, seq_len, heads, key_dim = key.shape
     value_dim = value.shape[-1]
     states = key.new_empty(batch, -(-seq_len // CHUNK), heads, value_dim, key_dim)
@@ -338,21 +342,21 @@ def _outputs(key: torch.Tensor, value: torch.Tensor, want_boundary: bool):
     return (states, torch.empty_like(value), boundary), (value_dim // BLOCK_V, batch * heads)
 
 
-def _lengths_and_dims(states: torch.Tensor, seq_len: int) -> tuple:
-    """The kernels' (T, NT, H, K, V) arguments, from the [B, NT, H, V, K] per-chunk states."""
+def _lengths_and_dims(states: torch.Tensor, seq_len: int, key_heads: int) -> tuple:
+    """The kernels' (T, NT, H, GROUP, K, V) arguments, from the [B, NT, H, V, K] per-chunk states."""
     _, chunks, heads, value_dim, key_dim = states.shape
-    return seq_len, chunks, heads, key_dim, value_dim
+    return seq_len, chunks, heads, heads // key_heads, key_dim, value_dim
 
 
 def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False):
     """`state_tma.chunk_fwd_h` on the warp-specialized kernel (where `ready`)."""
-    (h, v_new, final), grid = _outputs(k, u, output_final_state)
+    (h, v_new, final), grid = _outputs(w, u, output_final_state)
     key, state, value = _layouts(k.dtype)
     h0 = None if initial_state is None else initial_state.contiguous()
     _chunk_state_fwd_ws_kernel[grid](
         _rows(k, [CHUNK, KEY_SLICE], key), _rows(w, [CHUNK, KEY_SLICE], key), _rows(u, [CHUNK, BLOCK_V], value),
         _rows(h, [BLOCK_V, KEY_SLICE], state), _rows(v_new, [CHUNK, BLOCK_V], value), g.contiguous(),
-        h if h0 is None else h0, h if final is None else final, *_lengths_and_dims(h, k.shape[1]),
+        h if h0 is None else h0, h if final is None else final, *_lengths_and_dims(h, k.shape[1], k.shape[2]),
         BLOCK_V, h0 is not None, output_final_state, num_warps=4,
     )
     return h, v_new, final
@@ -360,13 +364,13 @@ def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False
 
 def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False):
     """`state_tma.chunk_dhu` on the warp-specialized kernel (where `ready`)."""
-    (dh, dv2, dh0), grid = _outputs(q, dv, want_dh0)
+    (dh, dv2, dh0), grid = _outputs(w, dv, want_dh0)
     key, state, value = _layouts(q.dtype)
     dht = None if dht is None else dht.contiguous()
     _chunk_state_bwd_ws_kernel[grid](
         _rows(q, [CHUNK, KEY_SLICE], key), _rows(k, [CHUNK, KEY_SLICE], key), _rows(w, [CHUNK, KEY_SLICE], key),
         _rows(dh, [BLOCK_V, KEY_SLICE], state), _rows(dv2, [CHUNK, BLOCK_V], value), do.contiguous(),
         dv.contiguous(), g.contiguous(), dh if dht is None else dht, dh if dh0 is None else dh0, float(scale),
-        *_lengths_and_dims(dh, q.shape[1]), BLOCK_V, dht is not None, want_dh0, num_warps=4,
+        *_lengths_and_dims(dh, q.shape[1], q.shape[2]), BLOCK_V, dht is not None, want_dh0, num_warps=4,
     )
     return dh, dh0, dv2

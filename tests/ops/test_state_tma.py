@@ -178,7 +178,7 @@ def test_state_gradients_with_the_local_value_gradient_equal_flas_two_kernels(co
 def test_gdn_op_on_our_kernels_matches_the_torch_backend(monkeypatch, seq_len, keep_states, with_state, gva):
     """The GDN custom op with MEGATRON_MUON_GDN_KERNELS=ours (and =triton): every output and gradient within FLA's
     tolerances of the torch backend, and all three of our kernels really ran: the state recurrences on the Gluon
-    kernels wherever Gluon is there and the heads are not grouped (=ours), on the Triton ones otherwise."""
+    kernels wherever Gluon is there (=ours), on the Triton ones otherwise."""
     from tests.ops import test_gdn_gpu
 
     calls = []
@@ -186,9 +186,9 @@ def test_gdn_op_on_our_kernels_matches_the_torch_backend(monkeypatch, seq_len, k
         kernel = getattr(module, name)
         tag = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
         monkeypatch.setattr(module, name, lambda *a, _k=kernel, _t=tag, **kw: calls.append(_t) or _k(*a, **kw))
-    gluon = state_ws.SWITCH.available() and not gva
     qk_heads = test_gdn_gpu.HEADS // 2 if gva else test_gdn_gpu.HEADS
-    for choice, states in (("ours", "state_ws" if gluon else "state_tma"), ("triton", "state_tma")):
+    for choice, states in (("ours", "state_ws" if state_ws.SWITCH.available() else "state_tma"),
+                           ("triton", "state_tma")):
         calls.clear()
         monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels.named(choice))
         test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, with_state, False, qk_heads)

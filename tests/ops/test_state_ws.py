@@ -19,7 +19,8 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm90 GPU")
 
 
-def _compile_for_sm90(kernel, key_dim: int, dtype: torch.dtype, flags: dict, state_pointer: str = "*fp32"):
+def _compile_for_sm90(kernel, key_dim: int, dtype: torch.dtype, flags: dict, state_pointer: str = "*fp32",
+                      group: int = 1):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -37,23 +38,24 @@ def _compile_for_sm90(kernel, key_dim: int, dtype: torch.dtype, flags: dict, sta
                  "v_desc": value_desc, "g": "*fp32", "h0": state_pointer, "ht": state_pointer}
     else:
         names = {"q_desc": key_desc, "k_desc": key_desc, "w_desc": key_desc, "dh_desc": state_desc,
-                 "dv2_desc": value_desc, "do": pointer, "dv": pointer, "g": "*fp32", "dht": state_pointer, "dh0": state_pointer,
-                 "scale": "fp32"}
-    constants = {"H": 6, "K": key_dim, "V": 512, "BV": state_ws.BLOCK_V, **flags}
+                 "dv2_desc": value_desc, "do": pointer, "dv": pointer, "g": "*fp32", "dht": state_pointer,
+                 "dh0": state_pointer, "scale": "fp32"}
+    constants = {"H": 6, "GROUP": group, "K": key_dim, "V": 512, "BV": state_ws.BLOCK_V, **flags}
     signature = {**names, "T": "i32", "NT": "i32", **{name: "constexpr" for name in constants}}
     source = GluonASTSource(kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
 @needs_gluon
-@pytest.mark.parametrize("key_dim, dtype", [(256, torch.bfloat16), (128, torch.float16), (64, torch.bfloat16)],
-                         ids=["k256-bf16", "k128-fp16", "k64-bf16"])
-def test_kernels_compile_for_hopper_within_shared_memory(key_dim, dtype):
+@pytest.mark.parametrize("key_dim, dtype, group", [(256, torch.bfloat16, 1), (128, torch.float16, 1),
+                                                   (64, torch.bfloat16, 1), (128, torch.bfloat16, 2)],
+                         ids=["k256-bf16", "k128-fp16", "k64-bf16", "k128-bf16-gva"])
+def test_kernels_compile_for_hopper_within_shared_memory(key_dim, dtype, group):
     """No GPU needed: both kernels lower to 64 × 32 wgmma and fit an sm90 block's shared memory."""
     forward = _compile_for_sm90(state_ws._chunk_state_fwd_ws_kernel, key_dim, dtype,
-                                {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True})
+                                {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True}, group=group)
     backward = _compile_for_sm90(state_ws._chunk_state_bwd_ws_kernel, key_dim, dtype,
-                                 {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True})
+                                 {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True}, group=group)
     for kernel in (forward, backward):
         assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.(bf16|f16)", kernel.asm["ptx"])
@@ -156,31 +158,33 @@ def test_state_gradients_equal_flas_kernel_at_the_hybrid_shape():
 @pytest.mark.gpu
 @needs_hopper
 @needs_gluon
-@pytest.mark.parametrize("batch, seq_len, key_dim, value_dim, dtype",
-                         [(2, 1024, 128, 64, torch.float16), (1, 1000, 64, 96, torch.bfloat16),
-                          (3, 192, 256, 32, torch.bfloat16)],
-                         ids=["two-sequences-k128-fp16", "partial-chunk-k64", "three-sequences-k256"])
-def test_other_shapes_match_the_triton_kernels_and_the_fp32_recurrences(batch, seq_len, key_dim, value_dim, dtype):
+@pytest.mark.parametrize("batch, seq_len, key_dim, value_dim, dtype, key_heads",
+                         [(2, 1024, 128, 64, torch.float16, 3), (1, 1000, 64, 96, torch.bfloat16, 3),
+                          (3, 192, 256, 32, torch.bfloat16, 3), (1, 1000, 128, 128, torch.bfloat16, 1)],
+                         ids=["two-sequences-k128-fp16", "partial-chunk-k64", "three-sequences-k256", "gva-k128"])
+def test_other_shapes_match_the_triton_kernels_and_the_fp32_recurrences(batch, seq_len, key_dim, value_dim, dtype,
+                                                                        key_heads):
     """Both recurrences with initial / final states: within 1e-2 of the Triton kernels and no further from the fp32
-    references than twice their error."""
+    references than twice their error; with GVA the references get q and k repeated per value head."""
     from megatron_muon.ops.reference import chunk_state_backward_reference, chunk_state_forward_reference
 
     torch.manual_seed(seq_len + key_dim)
     heads, scale = 3, key_dim**-0.5
-    key_shape = (batch, seq_len, heads, key_dim)
+    key_shape = (batch, seq_len, key_heads, key_dim)
     q, k = (torch.nn.functional.normalize(torch.randn(key_shape, device="cuda"), dim=-1).to(dtype) for _ in range(2))
-    w = (torch.randn(key_shape, device="cuda") * 0.05).to(dtype)
+    w = (torch.randn(batch, seq_len, heads, key_dim, device="cuda") * 0.05).to(dtype)
     u, do, dv = (torch.randn(batch, seq_len, heads, value_dim, device="cuda").to(dtype) for _ in range(3))
     steps = -torch.rand(batch, seq_len, heads, device="cuda") * 0.1
     g = torch.cat([steps[:, i : i + 64].cumsum(1) for i in range(0, seq_len, 64)], dim=1) / 0.6931471805599453
     state = torch.randn(batch, heads, value_dim, key_dim, device="cuda") * 0.1
     assert state_tma.qualifies([k, w], [u], g, None, 64) and state_ws.ready([k, w], [u])
+    q_rep, k_rep = (t.repeat_interleave(heads // key_heads, dim=2) for t in (q, k))
     runs = [
         (state_ws.chunk_fwd_h(k, w, u, g, state, True), state_tma.chunk_fwd_h(k, w, u, g, state, True),
-         chunk_state_forward_reference(*(t.cpu() for t in (k, w, u, g, state)))),
+         chunk_state_forward_reference(*(t.cpu() for t in (k_rep, w, u, g, state)))),
         (state_ws.chunk_dhu(q, k, w, g, do, dv, scale, dht=state, want_dh0=True),
          state_tma.chunk_dhu(q, k, w, g, do, dv, scale, dht=state, want_dh0=True),
-         chunk_state_backward_reference(*(t.cpu() for t in (q, k, w, g, do, dv)), scale, dht=state.cpu())),
+         chunk_state_backward_reference(*(t.cpu() for t in (q_rep, k_rep, w, g, do, dv)), scale, dht=state.cpu())),
     ]
     for ours, triton_kernel, reference in runs:
         for got, theirs, want in zip(ours, triton_kernel, reference):
@@ -202,13 +206,15 @@ def test_the_host_wrappers_launch_the_kernels_with_their_signature(monkeypatch):
 
     for name in ("_chunk_state_fwd_ws_kernel", "_chunk_state_bwd_ws_kernel"):
         monkeypatch.setattr(state_ws, name, recorder(getattr(state_ws, name)))
-    key = torch.zeros(batch, seq_len, heads, key_dim, dtype=torch.bfloat16)
+    key = torch.zeros(batch, seq_len, 1, key_dim, dtype=torch.bfloat16)  # q and k: one key head for three values
+    w = torch.zeros(batch, seq_len, heads, key_dim, dtype=torch.bfloat16)
     value = torch.zeros(batch, seq_len, heads, value_dim, dtype=torch.bfloat16)
     boundary = torch.ones(batch, heads, value_dim, key_dim)
     gates = torch.zeros(batch, seq_len, heads)
-    h, v_new, final = state_ws.chunk_fwd_h(key, key, value, gates, boundary, True)
-    dh, dh0, dv2 = state_ws.chunk_dhu(key, key, key, gates, value, value, 0.5, None, True)
-    expected = {"T": seq_len, "NT": 16, "H": heads, "K": key_dim, "V": value_dim, "BV": state_ws.BLOCK_V}
+    h, v_new, final = state_ws.chunk_fwd_h(key, w, value, gates, boundary, True)
+    dh, dh0, dv2 = state_ws.chunk_dhu(key, key, w, gates, value, value, 0.5, None, True)
+    expected = {"T": seq_len, "NT": 16, "H": heads, "GROUP": heads, "K": key_dim, "V": value_dim,
+                "BV": state_ws.BLOCK_V}
     (forward_grid, forward), (backward_grid, backward) = launches.values()
     assert forward_grid == backward_grid == (value_dim // state_ws.BLOCK_V, batch * heads)
     assert {name: forward[name] for name in expected} == expected == {name: backward[name] for name in expected}
