@@ -146,6 +146,33 @@ def fused_forward(shape: str, block_v: int, warps: int, stages: int, store_state
                         constants, warps)
 
 
+def fused_forward_gluon(shape: str, store_states: bool = False):
+    """The warp-specialized Gluon fused forward (`ops/chunk_fwd_fused_ws.py`) compiled for sm90 at one of
+    FUSED_SHAPES (key dims up to 128)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from megatron_muon.ops import chunk_fwd_fused_ws, state_ws
+
+    key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
+    key, state, value = state_ws._layouts(torch.bfloat16)
+    rows = torch.empty(256, heads * max(key_dim, value_dim), dtype=torch.bfloat16)
+    key_desc = mangle_type(TensorDescriptor.from_tensor(rows[:, : heads // group * key_dim], [64, 64], key))
+    state_desc = mangle_type(TensorDescriptor.from_tensor(rows[:, :key_dim], [state_ws.BLOCK_V, 64], state))
+    value_desc = mangle_type(TensorDescriptor.from_tensor(rows, [64, state_ws.BLOCK_V], value))
+    names = {"q_desc": key_desc, "k_desc": key_desc, "w_desc": key_desc, "u_desc": value_desc, "h_desc": state_desc,
+             "v_desc": value_desc, "o_desc": value_desc, "g": "*fp32", "h0": "*fp32", "ht": "*fp32", "scale": "fp32"}
+    constants = {"H": heads, "GROUP": group, "K": key_dim, "V": value_dim, "BV": state_ws.BLOCK_V,
+                 "USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "STORE_STATES": store_states}
+    signature = {**names, "T": "i32", "NT": "i32", **{name: "constexpr" for name in constants}}
+    source = GluonASTSource(chunk_fwd_fused_ws._chunk_fwd_fused_ws_kernel, signature, constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
 def fused_resources_table() -> None:
     """Registers, spills and shared memory of every tile of the fused forward, and of the state-gradient kernel with
     the local value gradient fused in, at both shapes."""
@@ -161,6 +188,9 @@ def fused_resources_table() -> None:
         kernels += [(f"state gradient{', local dv' if local else ''}", config,
                      lambda c=config, d=local: backward_kernel(shape, *c, d))
                     for config in BACKWARD_CONFIGS for local in (False, True)]
+        if FUSED_SHAPES[shape][0] <= 128:  # the Gluon kernel's 32-column value blocks on one consumer warpgroup
+            kernels += [(f"fused forward, Gluon{', states kept' if store else ''}", (32, 4, 2),
+                         lambda s=store: fused_forward_gluon(shape, s)) for store in (False, True)]
         for name, (block_v, warps, stages), build in kernels:
             used = resources(build())
             print(f"| {name} | {shape} | {block_v}/{warps}/{stages} | {used['registers']} | {used['stack']} | "

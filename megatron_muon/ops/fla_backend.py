@@ -16,7 +16,7 @@ import importlib.util
 
 import torch
 
-from megatron_muon.ops import chunk_fwd_fused, dqkwg, state_tma, state_ws
+from megatron_muon.ops import chunk_fwd_fused, chunk_fwd_fused_ws, dqkwg, state_tma, state_ws
 from megatron_muon.ops.kernel_choice import gdn_kernels
 
 CHUNK_SIZE = 64
@@ -70,8 +70,8 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
         w, u, a_inverse = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cumsum, beta=beta, cu_seqlens=cu_seqlens,
                                                            chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices)
         if _on_fused_forward(q, k, w, u, g_cumsum, cu_seqlens):
-            o, final_state, h, v_new = chunk_fwd_fused.chunk_fwd_fused(
-                q, k, w, u, g_cumsum, scale, _state_layout(initial_state), output_final_state, store_states=keep_states)
+            o, final_state, h, v_new = _fused_forward(q, k, w, u, g_cumsum, scale, _state_layout(initial_state),
+                                                      output_final_state, keep_states)
         else:
             h, v_new, final_state = _forward_states(k, w, u, g_cumsum, _state_layout(initial_state),
                                                     output_final_state, cu_seqlens, chunk_indices)
@@ -106,6 +106,19 @@ def _on_fused_forward(q, k, w, u, g_cumsum, cu_seqlens) -> bool:
     """Whether the forward runs our fused kernel for these inputs."""
     return STATE_V_FIRST and gdn_kernels().output_terms == "fused" and chunk_fwd_fused.qualifies(
         q, k, w, u, g_cumsum, cu_seqlens, CHUNK_SIZE)
+
+
+def _fused_forward(q, k, w, u, g_cumsum, scale, initial_state, output_final_state, keep_states):
+    """(o, final state, h, v_new) from the fused forward: the warp-specialized Gluon kernel where the state kernels
+    are "gluon" and it applies (a front end that rejects it hands every later call to Triton, with one warning),
+    else the Triton kernel."""
+    args = (q, k, w, u, g_cumsum, scale, initial_state, output_final_state, keep_states)
+    if gdn_kernels().states == "gluon" and chunk_fwd_fused_ws.ready(q, k, w, u):
+        try:
+            return chunk_fwd_fused_ws.chunk_fwd_fused(*args)
+        except state_ws.FRONTEND_ERRORS as error:  # raised while compiling, before anything ran
+            chunk_fwd_fused_ws.SWITCH.disable(error)
+    return chunk_fwd_fused.chunk_fwd_fused(*args)
 
 
 def _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens) -> bool:

@@ -81,8 +81,10 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(u_desc, [row, v_col], bar, u_bufs.index(slot))
 
     @gluon.jit
-    def _store_state(sb0, sb1, sb2, sb3, s0, s1, s2, s3, desc, row, NS: gl.constexpr, SIGN: gl.constexpr):
-        """SIGN·state (bf16) into the four slice buffers (as [BV, 64] value-major tiles), then TMA-stored."""
+    def _store_state(sb0, sb1, sb2, sb3, s0, s1, s2, s3, desc, row, NS: gl.constexpr, SIGN: gl.constexpr,
+                     TO_GLOBAL: gl.constexpr = True):
+        """SIGN·state (bf16) into the four slice buffers (as [BV, 64] value-major tiles), then TMA-stored (unless
+        not TO_GLOBAL)."""
         dtype: gl.constexpr = desc.dtype
         sb0.permute((1, 0)).store((s0 * SIGN).to(dtype))
         if NS > 1:
@@ -91,12 +93,13 @@ if gluon is not None:
             sb2.permute((1, 0)).store((s2 * SIGN).to(dtype))
             sb3.permute((1, 0)).store((s3 * SIGN).to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc, [row, 0], sb0)
-        if NS > 1:
-            tma.async_copy_shared_to_global(desc, [row, 64], sb1)
-        if NS > 2:
-            tma.async_copy_shared_to_global(desc, [row, 128], sb2)
-            tma.async_copy_shared_to_global(desc, [row, 192], sb3)
+        if TO_GLOBAL:
+            tma.async_copy_shared_to_global(desc, [row, 0], sb0)
+            if NS > 1:
+                tma.async_copy_shared_to_global(desc, [row, 64], sb1)
+            if NS > 2:
+                tma.async_copy_shared_to_global(desc, [row, 128], sb2)
+                tma.async_copy_shared_to_global(desc, [row, 192], sb3)
 
     @gluon.jit
     def _times_state(bufs, base, sb0, sb1, sb2, sb3, acc, NS: gl.constexpr):
