@@ -146,9 +146,9 @@ def fused_forward(shape: str, block_v: int, warps: int, stages: int, store_state
                         constants, warps)
 
 
-def fused_forward_gluon(shape: str, store_states: bool = False):
-    """The warp-specialized Gluon fused forward (`ops/chunk_fwd_fused_ws.py`) compiled for sm90 at one of
-    FUSED_SHAPES (key dims up to 128)."""
+def _compile_gluon_sm90(kernel, shape: str, tensors: dict, constants: dict):
+    """A Gluon kernel compiled for sm90 at one of FUSED_SHAPES; `tensors` maps parameter names to "key", "state"
+    or "value" (TMA descriptors of our kernels' tiles) or to a pointer type."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -156,21 +156,43 @@ def fused_forward_gluon(shape: str, store_states: bool = False):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    from megatron_muon.ops import chunk_fwd_fused_ws, state_ws
+    from megatron_muon.ops import state_ws
 
     key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
     key, state, value = state_ws._layouts(torch.bfloat16)
     rows = torch.empty(256, heads * max(key_dim, value_dim), dtype=torch.bfloat16)
-    key_desc = mangle_type(TensorDescriptor.from_tensor(rows[:, : heads // group * key_dim], [64, 64], key))
-    state_desc = mangle_type(TensorDescriptor.from_tensor(rows[:, :key_dim], [state_ws.BLOCK_V, 64], state))
-    value_desc = mangle_type(TensorDescriptor.from_tensor(rows, [64, state_ws.BLOCK_V], value))
-    names = {"q_desc": key_desc, "k_desc": key_desc, "w_desc": key_desc, "u_desc": value_desc, "h_desc": state_desc,
-             "v_desc": value_desc, "o_desc": value_desc, "g": "*fp32", "h0": "*fp32", "ht": "*fp32", "scale": "fp32"}
-    constants = {"H": heads, "GROUP": group, "K": key_dim, "V": value_dim, "BV": state_ws.BLOCK_V,
-                 "USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "STORE_STATES": store_states}
-    signature = {**names, "T": "i32", "NT": "i32", **{name: "constexpr" for name in constants}}
-    source = GluonASTSource(chunk_fwd_fused_ws._chunk_fwd_fused_ws_kernel, signature, constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    descriptors = {
+        "key": mangle_type(TensorDescriptor.from_tensor(rows[:, : heads * key_dim], [64, 64], key)),
+        "state": mangle_type(TensorDescriptor.from_tensor(rows[:, :key_dim], [state_ws.BLOCK_V, 64], state)),
+        "value": mangle_type(TensorDescriptor.from_tensor(rows, [64, state_ws.BLOCK_V], value)),
+    }
+    constants = {"H": heads, "GROUP": group, "K": key_dim, "V": value_dim, "BV": state_ws.BLOCK_V, **constants}
+    signature = {**{name: descriptors.get(kind, kind) for name, kind in tensors.items()}, "T": "i32", "NT": "i32",
+                 **{name: "constexpr" for name in constants}}
+    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
+
+
+def fused_forward_gluon(shape: str, store_states: bool = False):
+    """The warp-specialized Gluon fused forward (`ops/chunk_fwd_fused_ws.py`) compiled for sm90 at one of
+    FUSED_SHAPES (key dims up to 128)."""
+    from megatron_muon.ops import chunk_fwd_fused_ws
+
+    tensors = {"q_desc": "key", "k_desc": "key", "w_desc": "key", "u_desc": "value", "h_desc": "state",
+               "v_desc": "value", "o_desc": "value", "g": "*fp32", "h0": "*fp32", "ht": "*fp32", "scale": "fp32"}
+    return _compile_gluon_sm90(chunk_fwd_fused_ws._chunk_fwd_fused_ws_kernel, shape, tensors,
+                               {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "STORE_STATES": store_states})
+
+
+def backward_gluon(shape: str, local_dv: bool):
+    """The warp-specialized Gluon state-gradient kernel (`ops/state_ws.py`) compiled for sm90 at one of
+    FUSED_SHAPES, with or without the chunks' own value gradient inside."""
+    from megatron_muon.ops import state_ws
+
+    tensors = {"q_desc": "key", "k_desc": "key", "w_desc": "key", "dh_desc": "state", "dv2_desc": "value",
+               "do": "*bf16", "dv": "*bf16", "g": "*fp32", "dht": "*fp32", "dh0": "*fp32", "scale": "fp32"}
+    return _compile_gluon_sm90(state_ws._chunk_state_bwd_ws_kernel, shape, tensors,
+                               {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True, "LOCAL_DV": local_dv})
 
 
 def fused_resources_table() -> None:
@@ -188,9 +210,12 @@ def fused_resources_table() -> None:
         kernels += [(f"state gradient{', local dv' if local else ''}", config,
                      lambda c=config, d=local: backward_kernel(shape, *c, d))
                     for config in BACKWARD_CONFIGS for local in (False, True)]
-        if FUSED_SHAPES[shape][0] <= 128:  # the Gluon kernel's 32-column value blocks on one consumer warpgroup
+        # the Gluon kernels: 32-column value blocks, one consumer warpgroup, a two-stage ring
+        if FUSED_SHAPES[shape][0] <= 128:
             kernels += [(f"fused forward, Gluon{', states kept' if store else ''}", (32, 4, 2),
                          lambda s=store: fused_forward_gluon(shape, s)) for store in (False, True)]
+        kernels += [(f"state gradient, Gluon{', local dv' if local else ''}", (32, 4, 2),
+                     lambda d=local: backward_gluon(shape, d)) for local in (False, True)]
         for name, (block_v, warps, stages), build in kernels:
             used = resources(build())
             print(f"| {name} | {shape} | {block_v}/{warps}/{stages} | {used['registers']} | {used['stack']} | "

@@ -28,27 +28,9 @@ def ready(q, k, w, u) -> bool:
 
 
 if gluon is not None:
-    from megatron_muon.ops.state_ws import (_add_transposed, _chunk_rows, _key_loader, _ring_barriers, _state_io,
-                                            _store_state, _times_state, fence_async_shared, mbarrier, tma,
-                                            warpgroup_mma, warpgroup_mma_wait)
-
-    @gluon.jit
-    def _causal_scores(q_bufs, k_bufs, base, b_g, NS: gl.constexpr):
-        """M [64, 64] (fp32): q·kᵀ over the key slices, times 2^(g_i − g_j) on and below the diagonal, zero above."""
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, 64, 16])
-        acc = warpgroup_mma(q_bufs.index(base), k_bufs.index(base).permute((1, 0)),
-                            gl.zeros([64, 64], gl.float32, layout), is_async=True)
-        if NS > 1:
-            acc = warpgroup_mma(q_bufs.index(base + 1), k_bufs.index(base + 1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        g_rows = gl.convert_layout(b_g, gl.SliceLayout(1, layout))
-        g_cols = gl.convert_layout(b_g, gl.SliceLayout(0, layout))
-        causal = rows[:, None] >= cols[None, :]
-        gaps = gl.where(causal, g_rows[:, None] - g_cols[None, :], 0.0)
-        return gl.where(causal, acc * gl.exp2(gaps), 0.0)
+    from megatron_muon.ops.state_ws import (_add_transposed, _causal_scores, _chunk_rows, _key_loader,
+                                            _ring_barriers, _state_io, _store_state, _times_state,
+                                            fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
     @gluon.jit
     def _fused_forward_consumer(q_bufs, k_bufs, w_bufs, u_bufs, ready_bars, empty_bars, sb0, sb1, sb2, sb3, v_bufs,
@@ -85,7 +67,7 @@ if gluon is not None:
             v_bufs.index(cur).store(v_new.to(dtype))
             gate = gl.where(t0 + o_t < T, gl.exp2(b_g_last - b_g), 0.0)
             vg_buf.store((v_new * gate[:, None]).to(dtype))
-            m_buf.store(_causal_scores(q_bufs, k_bufs, slot * NS, b_g, NS).to(dtype))
+            m_buf.store(_causal_scores(q_bufs, k_bufs, slot * NS, b_g, NS, True).to(dtype))
             fence_async_shared()
             if STORE_STATES:
                 tma.async_copy_shared_to_global(v_desc, [row0 + t0, v_col], v_bufs.index(cur))

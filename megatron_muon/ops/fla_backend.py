@@ -165,10 +165,12 @@ def _extend_dhu_autotune() -> None:
 
 def _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_indices):
     """(per-chunk state gradients dh, dh0, the gradient of u): the chunks' own value gradient (FLA's
-    `chunk_bwd_dv_local`) and the state-gradient recurrence, as two kernels or, with fused output terms, one of ours."""
+    `chunk_bwd_dv_local`) and the state-gradient recurrence, as two kernels or, with fused output terms, one of ours
+    (Gluon or Triton, as for the state kernels)."""
     if STATE_V_FIRST and gdn_kernels().output_terms == "fused" and state_tma.qualifies(
             [q, k, w], [do], g_cumsum, cu_seqlens, CHUNK_SIZE):
-        return state_tma.chunk_dhu(q, k, w, g_cumsum, do, None, scale, dht=dht, want_dh0=h0 is not None)
+        return _state_kernel("chunk_dhu", [q, k, w], [do], q, k, w, g_cumsum, do, None, scale, dht=dht,
+                             want_dh0=h0 is not None)
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.common.chunk_o import chunk_bwd_dv_local
 

@@ -7,8 +7,9 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``output_terms``: the intra-chunk terms beside the state recurrences, the forward's output and the backward's
   local value gradient: "fla" (FLA's `chunk_fwd_o` and `chunk_bwd_dv_local`, around the recurrences of ``states``)
   or "fused" (computed inside our recurrences: the fused forward, `ops/chunk_fwd_fused_ws.py` in Gluon where
-  ``states`` is "gluon" and K ≤ 128, else `ops/chunk_fwd_fused.py` in Triton; and `state_tma.chunk_dhu` without dv;
-  a backward that recomputes the forward states still runs them on ``states``).
+  ``states`` is "gluon" and K ≤ 128, else `ops/chunk_fwd_fused.py` in Triton; and the state-gradient kernel of ``states``
+  (Gluon or Triton) called without dv; a backward that recomputes the forward states still runs them on
+  ``states``).
 
 Named presets: "ours" (gluon + ours + fla, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
 fla) and "fla" (FLA's everywhere).

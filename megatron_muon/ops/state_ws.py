@@ -113,6 +113,32 @@ if gluon is not None:
         return warpgroup_mma_wait(0, deps=(acc, ))
 
     @gluon.jit
+    def _causal_scores(a_bufs, b_bufs, base, b_g, NS: gl.constexpr, LOWER: gl.constexpr):
+        """[64, 64] fp32: a·bᵀ over the key slices, times 2^(g_r − g_c) on and below the diagonal (LOWER; a = q,
+        b = k: the forward's scores M) or 2^(g_c − g_r) on and above it (a = k, b = q: Mᵀ), zero elsewhere."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 64, 16])
+        acc = warpgroup_mma(a_bufs.index(base), b_bufs.index(base).permute((1, 0)),
+                            gl.zeros([64, 64], gl.float32, layout), is_async=True)
+        if NS > 1:
+            acc = warpgroup_mma(a_bufs.index(base + 1), b_bufs.index(base + 1).permute((1, 0)), acc, is_async=True)
+        if NS > 2:
+            acc = warpgroup_mma(a_bufs.index(base + 2), b_bufs.index(base + 2).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a_bufs.index(base + 3), b_bufs.index(base + 3).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        g_rows = gl.convert_layout(b_g, gl.SliceLayout(1, layout))
+        g_cols = gl.convert_layout(b_g, gl.SliceLayout(0, layout))
+        if LOWER:
+            kept = rows[:, None] >= cols[None, :]
+            gaps = gl.where(kept, g_rows[:, None] - g_cols[None, :], 0.0)
+        else:
+            kept = rows[:, None] <= cols[None, :]
+            gaps = gl.where(kept, g_cols[None, :] - g_rows[:, None], 0.0)
+        return gl.where(kept, acc * gl.exp2(gaps), 0.0)
+
+    @gluon.jit
     def _add_transposed(bufs, base, values, s0, s1, s2, s3, NS: gl.constexpr):
         """state_j += tile_jᵀ · values, issued asynchronously (the caller waits)."""
         s0 = warpgroup_mma(bufs.index(base).permute((1, 0)), values, s0, is_async=True)
@@ -245,10 +271,13 @@ if gluon is not None:
 
     @gluon.jit
     def _backward_consumer(q_bufs, k_bufs, w_bufs, ready_bars, empty_bars, sb0, sb1, sb2, sb3, dv2_buf, dog_buf,
-                           dh_desc,
+                           m_buf, dh_desc,
                            dv2_desc, do, dv, g, dht, dh0, scale, T, NT, row0, i_b, i_h, i_v, i_bh, H: gl.constexpr,
                            K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-                           USE_FINAL_STATE_GRADIENT: gl.constexpr, USE_INITIAL_STATE: gl.constexpr):
+                           USE_FINAL_STATE_GRADIENT: gl.constexpr, USE_INITIAL_STATE: gl.constexpr,
+                           LOCAL_DV: gl.constexpr):
+        """With LOCAL_DV the chunk's own value gradient, scale·Mᵀ·do, is computed here (dog_buf first holds
+        scale·do as its operand) instead of read from dv."""
         NS: gl.constexpr = K // 64
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BV, 16])
@@ -274,7 +303,15 @@ if gluon is not None:
             acc = _times_state(k_bufs, slot * NS, sb0, sb1, sb2, sb3, gl.zeros([64, BV], gl.float32, acc_layout),
                                NS)
             gate = gl.where(t0 + o_t < T, gl.exp2(b_g_last - b_g), 0.0)
-            dv2_buf.store((acc * gate[:, None] + b_dv.to(gl.float32)).to(dtype))
+            if LOCAL_DV:
+                dog_buf.store((b_do.to(gl.float32) * scale).to(dtype))
+                m_buf.store(_causal_scores(k_bufs, q_bufs, slot * NS, b_g, NS, False).to(dtype))
+                fence_async_shared()
+                own = warpgroup_mma(m_buf, dog_buf, gl.zeros([64, BV], gl.float32, acc_layout), is_async=True)
+                own = warpgroup_mma_wait(0, deps=(own, ))
+            else:
+                own = b_dv.to(gl.float32)
+            dv2_buf.store((acc * gate[:, None] + own).to(dtype))
             dog_buf.store((b_do.to(gl.float32) * (gl.exp2(b_g) * -scale)[:, None]).to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(dv2_desc, [row0 + t0, i_h * V + i_v * BV], dv2_buf)
@@ -293,8 +330,9 @@ if gluon is not None:
     def _chunk_state_bwd_ws_kernel(q_desc, k_desc, w_desc, dh_desc, dv2_desc, do, dv, g, dht, dh0, scale, T, NT,
                                    H: gl.constexpr, GROUP: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                                    BV: gl.constexpr, USE_FINAL_STATE_GRADIENT: gl.constexpr,
-                                   USE_INITIAL_STATE: gl.constexpr):
-        """H counts value heads; q and k are read at key head i_h // GROUP, w at value head i_h."""
+                                   USE_INITIAL_STATE: gl.constexpr, LOCAL_DV: gl.constexpr):
+        """H counts value heads; q and k are read at key head i_h // GROUP, w at value head i_h. LOCAL_DV: the
+        chunks' own value gradient is computed here, dv is not read."""
         NS: gl.constexpr = K // 64
         dtype: gl.constexpr = k_desc.dtype
         i_v, i_bh = gl.program_id(0), gl.program_id(1)
@@ -308,13 +346,17 @@ if gluon is not None:
         sb3 = gl.allocate_shared_memory(dtype, [BV, 64], dh_desc.layout)
         dv2_buf = gl.allocate_shared_memory(dtype, [64, BV], dv2_desc.layout)
         dog_buf = gl.allocate_shared_memory(dtype, [64, BV], dv2_desc.layout)
+        if LOCAL_DV:
+            m_buf = gl.allocate_shared_memory(dtype, [64, 64], q_desc.layout)
+        else:
+            m_buf = dog_buf  # not read
         ready_bars, empty_bars = _ring_barriers()
         row0 = i_b * T
         gl.warp_specialize([
             (_backward_consumer, (q_bufs, k_bufs, w_bufs, ready_bars, empty_bars, sb0, sb1, sb2, sb3, dv2_buf,
-                                  dog_buf, dh_desc,
+                                  dog_buf, m_buf, dh_desc,
                                   dv2_desc, do, dv, g, dht, dh0, scale, T, NT, row0, i_b, i_h, i_v, i_bh, H, K, V,
-                                  BV, USE_FINAL_STATE_GRADIENT, USE_INITIAL_STATE)),
+                                  BV, USE_FINAL_STATE_GRADIENT, USE_INITIAL_STATE, LOCAL_DV)),
             (_key_loader, (k_desc, w_desc, q_desc, k_bufs, w_bufs, q_bufs, dv2_desc, dog_buf, ready_bars,
                            empty_bars, row0, i_h // GROUP * K, i_h * K, i_h // GROUP * K, 0, NT, NS, True, False,
                            True)),
@@ -366,14 +408,17 @@ def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False
 
 
 def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False):
-    """`state_tma.chunk_dhu` on the warp-specialized kernel (where `ready`)."""
-    (dh, dv2, dh0), grid = _outputs(w, dv, want_dh0)
+    """`state_tma.chunk_dhu` on the warp-specialized kernel (where `ready`); dv None: the chunks' own value
+    gradient is computed in the kernel."""
+    (dh, dv2, dh0), grid = _outputs(w, do, want_dh0)
     key, state, value = _layouts(q.dtype)
     dht = None if dht is None else dht.contiguous()
+    do = do.contiguous()
     _chunk_state_bwd_ws_kernel[grid](
         _rows(q, [CHUNK, KEY_SLICE], key), _rows(k, [CHUNK, KEY_SLICE], key), _rows(w, [CHUNK, KEY_SLICE], key),
-        _rows(dh, [BLOCK_V, KEY_SLICE], state), _rows(dv2, [CHUNK, BLOCK_V], value), do.contiguous(),
-        dv.contiguous(), g.contiguous(), dh if dht is None else dht, dh if dh0 is None else dh0, float(scale),
-        *_lengths_and_dims(dh, q.shape[1], q.shape[2]), BLOCK_V, dht is not None, want_dh0, num_warps=4,
+        _rows(dh, [BLOCK_V, KEY_SLICE], state), _rows(dv2, [CHUNK, BLOCK_V], value), do,
+        do if dv is None else dv.contiguous(), g.contiguous(), dh if dht is None else dht, dh if dh0 is None else dh0,
+        float(scale), *_lengths_and_dims(dh, q.shape[1], q.shape[2]), BLOCK_V, dht is not None, want_dh0,
+        dv is None, num_warps=4,
     )
     return dh, dh0, dv2

@@ -151,14 +151,16 @@ def test_fused_forward_equals_the_split_kernels(shape, config):
 def test_gdn_op_on_the_fused_forward_matches_the_torch_backend(monkeypatch, seq_len, keep_states, gva):
     """The GDN custom op with the "fused" kernels: outputs and all gradients within FLA's tolerances of the torch
     backend, and both fused kernels really ran (the forward, and the state gradients with dv None)."""
-    from megatron_muon.ops import state_tma
+    from megatron_muon.ops import state_tma, state_ws
     from tests.ops import test_gdn_gpu
 
     calls = []
-    forward, backward = chunk_fwd_fused.chunk_fwd_fused, state_tma.chunk_dhu
+    forward = chunk_fwd_fused.chunk_fwd_fused
     monkeypatch.setattr(chunk_fwd_fused, "chunk_fwd_fused", lambda *a, **kw: calls.append("fwd") or forward(*a, **kw))
-    monkeypatch.setattr(state_tma, "chunk_dhu",
-                        lambda *a, **kw: calls.append("bwd" if a[5] is None else "dhu") or backward(*a, **kw))
+    for module in (state_tma, state_ws):  # the state gradients run on Gluon where it is there
+        backward = module.chunk_dhu
+        monkeypatch.setattr(module, "chunk_dhu", lambda *a, _b=backward, **kw:
+                            calls.append("bwd" if a[5] is None else "dhu") or _b(*a, **kw))
     monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels.named("fused"))
     qk_heads = test_gdn_gpu.HEADS // 2 if gva else test_gdn_gpu.HEADS
     test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, True, False, qk_heads)

@@ -55,10 +55,17 @@ def test_kernels_compile_for_hopper_within_shared_memory(key_dim, dtype, group):
     forward = _compile_for_sm90(state_ws._chunk_state_fwd_ws_kernel, key_dim, dtype,
                                 {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True}, group=group)
     backward = _compile_for_sm90(state_ws._chunk_state_bwd_ws_kernel, key_dim, dtype,
-                                 {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True}, group=group)
-    for kernel in (forward, backward):
+                                 {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True, "LOCAL_DV": False},
+                                 group=group)
+    local_dv = _compile_for_sm90(state_ws._chunk_state_bwd_ws_kernel, key_dim, dtype,
+                                 {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True, "LOCAL_DV": True},
+                                 group=group)
+    for kernel in (forward, backward, local_dv):
         assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.(bf16|f16)", kernel.asm["ptx"])
+    # with the local value gradient the 64 × 64 scores are one more wgmma product
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16", local_dv.asm["ptx"])
+    assert not re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16", backward.asm["ptx"])
 
 
 def test_the_gdn_ops_import_without_triton():
@@ -222,3 +229,38 @@ def test_the_host_wrappers_launch_the_kernels_with_their_signature(monkeypatch):
     assert forward["USE_INITIAL_STATE"] and forward["STORE_FINAL_STATE"] and backward["scale"] == 0.5
     assert backward["dh0"] is dh0 and not backward["USE_FINAL_STATE_GRADIENT"] and backward["USE_INITIAL_STATE"]
     assert h.shape == dh.shape == (batch, 16, heads, value_dim, key_dim) and v_new.shape == dv2.shape == value.shape
+
+
+@pytest.mark.gpu
+@needs_hopper
+@needs_gluon
+@pytest.mark.parametrize("seq_len, key_heads, heads, key_dim, value_dim",
+                         [(2048, 6, 6, 256, 512), (2048, 16, 32, 128, 128), (1000, 2, 2, 64, 96)],
+                         ids=["hybrid-1.5b", "qwen3-next-gva", "partial-chunk-k64"])
+def test_state_gradients_with_the_local_value_gradient_match_the_triton_kernel(seq_len, key_heads, heads, key_dim,
+                                                                                value_dim):
+    """dv None (the chunks' own value gradient inside): within 1e-2 of the Triton kernel doing the same, and no
+    further from the fp32 references (dv_local, then the state-gradient recurrence) than twice its error."""
+    from megatron_muon.ops.reference import chunk_local_dv_reference, chunk_state_backward_reference
+
+    torch.manual_seed(seq_len + key_dim)
+    scale = key_dim**-0.5
+    key_shape = (1, seq_len, key_heads, key_dim)
+    q, k = (torch.nn.functional.normalize(torch.randn(key_shape, device="cuda"), dim=-1).bfloat16() for _ in range(2))
+    w = (torch.randn(1, seq_len, heads, key_dim, device="cuda") * 0.05).bfloat16()
+    do = torch.randn(1, seq_len, heads, value_dim, device="cuda").bfloat16()
+    steps = -torch.rand(1, seq_len, heads, device="cuda") * 0.1
+    g = torch.cat([steps[:, i : i + 64].cumsum(1) for i in range(0, seq_len, 64)], dim=1) / 0.6931471805599453
+    state = torch.randn(1, heads, value_dim, key_dim, device="cuda") * 0.1
+    assert state_tma.qualifies([q, k, w], [do], g, None, 64) and state_ws.ready([q, k, w], [do])
+    ours = state_ws.chunk_dhu(q, k, w, g, do, None, scale, dht=state, want_dh0=True)
+    theirs = state_tma.chunk_dhu(q, k, w, g, do, None, scale, dht=state, want_dh0=True)
+    cpu = [t.cpu() for t in (q, k, w, g, do)]
+    groups = heads // key_heads
+    local = chunk_local_dv_reference(cpu[0], cpu[1], cpu[3], cpu[4], scale)
+    reference = chunk_state_backward_reference(cpu[0].repeat_interleave(groups, dim=2),
+                                               cpu[1].repeat_interleave(groups, dim=2), cpu[2], cpu[3], cpu[4],
+                                               local, scale, dht=state.cpu())
+    for got, other, want in zip(ours, theirs, reference):
+        assert _relative(got, other) < 1e-2
+        assert _relative(got.cpu(), want) < 2 * _relative(other.cpu(), want) + 1e-3
