@@ -81,14 +81,7 @@ def longest_loop(sass: str) -> tuple[int, collections.Counter]:
 
 
 def ours_forward(block_v: int, warps: int, stages: int) -> str:
-    from megatron_muon.ops import state_tma
-
-    signature = {"k_desc": KEY_TILE, "w_desc": KEY_TILE, "u_desc": f"tensordesc<bf16[1,64,{block_v}]>",
-                 "g": "*fp32", "h0": "*fp32", "h": "*bf16", "v_new": "*bf16", "ht": "*fp32", "T": "i32", "NT": "i32"}
-    constants = dict(H=6, GROUP=1, K=256, V=512, BT=64, BV=block_v, STAGES=stages, USE_INITIAL_STATE=False,
-                     STORE_FINAL_STATE=False)
-    return disassemble(state_tma._chunk_state_fwd_kernel, signature | dict.fromkeys(constants, "constexpr"),
-                       constants, warps)
+    return _run_on_cubin("nvdisasm", forward_kernel("hybrid-1.5b", block_v, warps, stages, True, False), "-c")
 
 
 def ours_backward(block_v: int, warps: int, stages: int) -> str:
@@ -132,18 +125,25 @@ def flas_forward(block_v: int, warps: int, stages: int) -> str:
 FUSED_SHAPES = {"qwen3-next": (128, 128, 32, 2), "hybrid-1.5b": (256, 512, 6, 1)}
 
 
-def fused_forward(shape: str, block_v: int, warps: int, stages: int, store_states: bool = False):
-    """Our fused chunk forward (`ops/chunk_fwd_fused.py`) compiled for sm90 at one of FUSED_SHAPES."""
-    from megatron_muon.ops import chunk_fwd_fused
+def forward_kernel(shape: str, block_v: int, warps: int, stages: int, store_states: bool, with_output: bool):
+    """Our forward state kernel (`state_tma`), with the output inside when `with_output` (the fused forward,
+    `ops/chunk_fwd_fused.py`), compiled for sm90 at one of FUSED_SHAPES."""
+    from megatron_muon.ops import state_tma
 
     key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
     signature = {"q_desc": KEY_TILE, "k_desc": KEY_TILE, "w_desc": KEY_TILE,
                  "u_desc": f"tensordesc<bf16[1,64,{block_v}]>", "g": "*fp32", "h0": "*fp32", "h": "*bf16",
                  "v_new": "*bf16", "o": "*bf16", "ht": "*fp32", "scale": "fp32", "T": "i32", "NT": "i32"}
     constants = dict(H=heads, GROUP=group, K=key_dim, V=value_dim, BT=64, BV=block_v, STAGES=stages,
-                     USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=store_states)
-    return compile_sm90(chunk_fwd_fused._chunk_fwd_fused_kernel, signature | dict.fromkeys(constants, "constexpr"),
+                     USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=store_states,
+                     WITH_OUTPUT=with_output)
+    return compile_sm90(state_tma._chunk_state_fwd_kernel, signature | dict.fromkeys(constants, "constexpr"),
                         constants, warps)
+
+
+def fused_forward(shape: str, block_v: int, warps: int, stages: int, store_states: bool = False):
+    """Our fused chunk forward (`ops/chunk_fwd_fused.py`) compiled for sm90 at one of FUSED_SHAPES."""
+    return forward_kernel(shape, block_v, warps, stages, store_states, True)
 
 
 def _compile_gluon_sm90(kernel, shape: str, tensors: dict, constants: dict):

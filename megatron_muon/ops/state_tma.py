@@ -118,13 +118,32 @@ if triton is not None:
             tl.store(dst + state + 3 * KS, s3)
 
     @triton.jit
+    def _state_slice_products(b_h, b_sw, b_ot, b_kq, h, q_desc, k_desc, w_desc, i_b, i_t, NT, state, batch, t0,
+                              key_column, column, j: tl.constexpr, H: tl.constexpr, V: tl.constexpr,
+                              K: tl.constexpr, BT: tl.constexpr, KS: tl.constexpr, STORE_STATES: tl.constexpr,
+                              WITH_OUTPUT: tl.constexpr):
+        """Key slice j's share of the chunk's products with the state entering it (stored to h first when
+        STORE_STATES), accumulated: S·wᵀ into b_sw and, with WITH_OUTPUT, S·qᵀ into b_ot and k·qᵀ into b_kq."""
+        b_s = b_h.to(w_desc.dtype)
+        if STORE_STATES:
+            tl.store(_state_slice(h, i_b, i_t, NT, state, j, H, V, K, KS), b_s)
+        b_sw = tl.dot(b_s, tl.trans(w_desc.load([batch, t0, column + j * KS]).reshape(BT, KS)), b_sw)
+        if WITH_OUTPUT:
+            b_q = q_desc.load([batch, t0, key_column + j * KS]).reshape(BT, KS)
+            b_ot = tl.dot(b_s, tl.trans(b_q), b_ot)
+            b_kq = tl.dot(k_desc.load([batch, t0, key_column + j * KS]).reshape(BT, KS), tl.trans(b_q), b_kq)
+        return b_sw, b_ot, b_kq
+
+    @triton.jit
     def _chunk_state_fwd_kernel(
-        k_desc, w_desc, u_desc, g, h0, h, v_new, ht, T, NT,
+        q_desc, k_desc, w_desc, u_desc, g, h0, h, v_new, o, ht, scale, T, NT,
         H: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
         STAGES: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+        STORE_STATES: tl.constexpr, WITH_OUTPUT: tl.constexpr,
     ):  # fmt: skip
         """The state in key slices of 64 columns (as FLA keeps it): each product's operands stay small enough for
-        the registers; the slices' tiles still come through TMA."""
+        the registers; the slices' tiles still come through TMA. STORE_STATES writes h and v_new; WITH_OUTPUT also
+        computes the output (`ops/chunk_fwd_fused.py`; q_desc, o and scale are unused without it)."""
         KS: tl.constexpr = 64
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1).to(tl.int64)
@@ -133,28 +152,30 @@ if triton is not None:
         state = (i_bh * V + o_v[:, None]) * K + tl.arange(0, KS)[None, :]  # slice 0 of a [B, H, V, K] state
         b_h0, b_h1, b_h2, b_h3 = _load_slices(h0, state, USE_INITIAL_STATE, K, BV, KS)
         column = (i_h * K).to(tl.int32)  # w's head
-        key_column = (i_h // GROUP * K).to(tl.int32)  # k's head
+        key_column = (i_h // GROUP * K).to(tl.int32)  # k's (and q's) head
+        rows = tl.arange(0, BT)
+        causal = rows[:, None] <= rows[None, :]  # [j, i]: token j at or before token i
         for i_t in tl.range(0, NT, num_stages=STAGES):
             t0 = i_t * BT
             batch = i_b.to(tl.int32)
-            dtype = h.dtype.element_ty
-            tl.store(_state_slice(h, i_b, i_t, NT, state, 0, H, V, K, KS), b_h0.to(dtype))
-            b_vt = -tl.dot(b_h0.to(w_desc.dtype), tl.trans(w_desc.load([batch, t0, column]).reshape(BT, KS)))
-            if K > 64:
-                tl.store(_state_slice(h, i_b, i_t, NT, state, 1, H, V, K, KS), b_h1.to(dtype))
-                b_w = w_desc.load([batch, t0, column + KS]).reshape(BT, KS)
-                b_vt -= tl.dot(b_h1.to(w_desc.dtype), tl.trans(b_w))
-            if K > 128:
-                tl.store(_state_slice(h, i_b, i_t, NT, state, 2, H, V, K, KS), b_h2.to(dtype))
-                tl.store(_state_slice(h, i_b, i_t, NT, state, 3, H, V, K, KS), b_h3.to(dtype))
-                b_w = w_desc.load([batch, t0, column + 2 * KS]).reshape(BT, KS)
-                b_vt -= tl.dot(b_h2.to(w_desc.dtype), tl.trans(b_w))
-                b_w = w_desc.load([batch, t0, column + 3 * KS]).reshape(BT, KS)
-                b_vt -= tl.dot(b_h3.to(w_desc.dtype), tl.trans(b_w))
+            b_vt = tl.zeros([BV, BT], dtype=tl.float32)  # S·wᵀ, then v_newᵀ
+            b_ot = tl.zeros([BV, BT], dtype=tl.float32)
+            b_kq = tl.zeros([BT, BT], dtype=tl.float32)
+            for j in tl.static_range(K // KS):
+                b_h = b_h0 if j == 0 else (b_h1 if j == 1 else (b_h2 if j == 2 else b_h3))
+                b_vt, b_ot, b_kq = _state_slice_products(b_h, b_vt, b_ot, b_kq, h, q_desc, k_desc, w_desc, i_b, i_t,
+                                                         NT, state, batch, t0, key_column, column, j, H, V, K, BT,
+                                                         KS, STORE_STATES, WITH_OUTPUT)
             b_u = u_desc.load([batch, t0, (i_h * V + i_v * BV).to(tl.int32)]).reshape(BT, BV)
-            b_vt += tl.trans(b_u).to(tl.float32)  # v_newᵀ [BV, BT]
-            _store_rows(v_new, b_vt.to(b_u.dtype), i_b, i_h, t0, T, o_v, H, V, BT)
+            b_vt = tl.trans(b_u).to(tl.float32) - b_vt  # v_newᵀ [BV, BT]
+            if STORE_STATES:
+                _store_rows(v_new, b_vt.to(b_u.dtype), i_b, i_h, t0, T, o_v, H, V, BT)
             b_g, b_g_last, inside = _chunk_gates(g, i_b, i_h, t0, T, H, BT)
+            if WITH_OUTPUT:  # oᵀ = scale·((S·qᵀ) ⊙ 2^g_i + v_newᵀ·Mᵀ), Mᵀ_ji = q_i·k_j·2^(g_i − g_j) for j ≤ i
+                gaps = tl.where(causal, b_g[None, :] - b_g[:, None], 0.0)
+                b_mt = tl.where(causal, b_kq * tl.exp2(gaps), 0.0).to(w_desc.dtype)
+                b_ot = b_ot * tl.exp2(b_g)[None, :] + tl.dot(b_vt.to(w_desc.dtype), b_mt)
+                _store_rows(o, (b_ot * scale).to(b_u.dtype), i_b, i_h, t0, T, o_v, H, V, BT)
             b_vt = (b_vt * tl.where(inside, tl.exp2(b_g_last - b_g), 0.0)[None, :]).to(w_desc.dtype)
             decay = tl.exp2(b_g_last)
             b_h0 = b_h0 * decay + tl.dot(b_vt, k_desc.load([batch, t0, key_column]).reshape(BT, KS))
@@ -304,10 +325,12 @@ def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False
     v_new = torch.empty_like(u)
     final = k.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if output_final_state else None
     h0 = None if initial_state is None else initial_state.contiguous()
+    k_tiles = _descriptor(k, KEY_SLICE)
     _chunk_state_fwd_kernel[(value_dim // block_v, batch * heads)](
-        _descriptor(k, KEY_SLICE), _descriptor(w, KEY_SLICE), _descriptor(u, block_v), g.contiguous(), h0, h, v_new,
-        final, seq_len, chunks, H=heads, GROUP=heads // k.shape[2], K=key_dim, V=value_dim, BT=CHUNK, BV=block_v,
-        STAGES=stages, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, num_warps=warps,
+        k_tiles, k_tiles, _descriptor(w, KEY_SLICE), _descriptor(u, block_v), g.contiguous(), h0, h, v_new, None,
+        final, 1.0, seq_len, chunks, H=heads, GROUP=heads // k.shape[2], K=key_dim, V=value_dim, BT=CHUNK,
+        BV=block_v, STAGES=stages, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state,
+        STORE_STATES=True, WITH_OUTPUT=False, num_warps=warps,
     )
     return h, v_new, final
 
