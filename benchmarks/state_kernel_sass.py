@@ -176,12 +176,13 @@ def _compile_gluon_sm90(kernel, shape: str, tensors: dict, constants: dict):
 def fused_forward_gluon(shape: str, store_states: bool = False):
     """The warp-specialized Gluon fused forward (`ops/chunk_fwd_fused_ws.py`) compiled for sm90 at one of
     FUSED_SHAPES (key dims up to 128)."""
-    from megatron_muon.ops import chunk_fwd_fused_ws
+    from megatron_muon.ops import state_ws
 
     tensors = {"q_desc": "key", "k_desc": "key", "w_desc": "key", "u_desc": "value", "h_desc": "state",
                "v_desc": "value", "o_desc": "value", "g": "*fp32", "h0": "*fp32", "ht": "*fp32", "scale": "fp32"}
-    return _compile_gluon_sm90(chunk_fwd_fused_ws._chunk_fwd_fused_ws_kernel, shape, tensors,
-                               {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "STORE_STATES": store_states})
+    return _compile_gluon_sm90(state_ws._chunk_state_fwd_ws_kernel, shape, tensors,
+                               {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "STORE_STATES": store_states,
+                                "WITH_OUTPUT": True})
 
 
 def backward_gluon(shape: str, local_dv: bool):

@@ -193,12 +193,15 @@ if gluon is not None:
         return b_g, b_g_last, b_do, b_dv
 
     @gluon.jit
-    def _forward_consumer(k_bufs, w_bufs, u_bufs, ready_bars, empty_bars, sb0, sb1, sb2, sb3, v_bufs, vg_buf, h_desc,
-                          v_desc,
-                          g, h0, ht, T, NT, row0, v_col, i_b, i_h, i_v, i_bh, H: gl.constexpr, K: gl.constexpr,
-                          V: gl.constexpr, BV: gl.constexpr, USE_INITIAL_STATE: gl.constexpr,
-                          STORE_FINAL_STATE: gl.constexpr):
+    def _forward_consumer(q_bufs, k_bufs, w_bufs, u_bufs, ready_bars, empty_bars, sb0, sb1, sb2, sb3, v_bufs, vg_buf,
+                          m_buf, o_bufs, h_desc, v_desc, o_desc, g, h0, ht, scale, T, NT, row0, v_col, i_b, i_h, i_v,
+                          i_bh, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                          USE_INITIAL_STATE: gl.constexpr, STORE_FINAL_STATE: gl.constexpr,
+                          STORE_STATES: gl.constexpr, WITH_OUTPUT: gl.constexpr):
+        """STORE_STATES: each chunk's state and v_new go to HBM. WITH_OUTPUT: the output too,
+        o = scale·(2^g ⊙ (q·S) + M·v_new) with M = causal(q·kᵀ ⊙ 2^(g_i − g_j)) (`ops/chunk_fwd_fused_ws.py`)."""
         NS: gl.constexpr = K // 64
+        STORES: gl.constexpr = (NS + 1 if STORE_STATES else 0) + (1 if WITH_OUTPUT else 0)  # TMA stores a chunk
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BV, 16])
         rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -215,10 +218,10 @@ if gluon is not None:
             slot = i_t % 2
             cur = i_t % 2
             g_next, g_last_next, _, _ = _chunk_rows(g, g, g, row0, t0 + 64, T, o_t, o_v, i_h, H, V, False)
-            tma.store_wait(NS + 1)  # chunk i_t − 2's stores out of this buffer pair have completed
+            tma.store_wait(STORES)  # chunk i_t − 2's stores out of this buffer pair have completed
             c0, c1, c2, c3 = sb0.index(cur), sb1.index(cur), sb2.index(cur), sb3.index(cur)
             _store_state(c0, c1, c2, c3, s0, s1, s2, s3, h_desc, ((i_b * NT + i_t) * H + i_h) * V + i_v * BV,
-                         NS, 1.0)
+                         NS, 1.0, STORE_STATES)
             mbarrier.wait(ready_bars.index(slot), (i_t // 2) & 1)
             acc = _times_state(w_bufs, slot * NS, c0, c1, c2, c3, gl.zeros([64, BV], gl.float32, acc_layout),
                                NS)
@@ -226,8 +229,19 @@ if gluon is not None:
             v_bufs.index(cur).store(v_new.to(dtype))
             gate = gl.where(t0 + o_t < T, gl.exp2(b_g_last - b_g), 0.0)
             vg_buf.store((v_new * gate[:, None]).to(dtype))
+            if WITH_OUTPUT:
+                m_buf.store(_causal_scores(q_bufs, k_bufs, slot * NS, b_g, NS, True).to(dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(v_desc, [row0 + t0, v_col], v_bufs.index(cur))
+            if STORE_STATES:
+                tma.async_copy_shared_to_global(v_desc, [row0 + t0, v_col], v_bufs.index(cur))
+            if WITH_OUTPUT:
+                out = _times_state(q_bufs, slot * NS, c0, c1, c2, c3, gl.zeros([64, BV], gl.float32, acc_layout),
+                                   NS)
+                out = warpgroup_mma(m_buf, v_bufs.index(cur), out * gl.exp2(b_g)[:, None], is_async=True)
+                out = warpgroup_mma_wait(0, deps=(out, ))
+                o_bufs.index(cur).store((out * scale).to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [row0 + t0, v_col], o_bufs.index(cur))
             decay = gl.exp2(b_g_last)
             s0, s1, s2, s3 = _add_transposed(k_bufs, slot * NS, vg_buf, s0 * decay, s1 * decay, s2 * decay,
                                              s3 * decay, NS)
@@ -239,10 +253,13 @@ if gluon is not None:
             _state_io(ht, i_bh, i_v, s0, s1, s2, s3, False, 1.0, V, K)
 
     @gluon.jit
-    def _chunk_state_fwd_ws_kernel(k_desc, w_desc, u_desc, h_desc, v_desc, g, h0, ht, T, NT, H: gl.constexpr,
-                                   GROUP: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-                                   USE_INITIAL_STATE: gl.constexpr, STORE_FINAL_STATE: gl.constexpr):
-        """H counts value heads; k is read at key head i_h // GROUP, w at value head i_h."""
+    def _chunk_state_fwd_ws_kernel(q_desc, k_desc, w_desc, u_desc, h_desc, v_desc, o_desc, g, h0, ht, scale, T, NT,
+                                   H: gl.constexpr, GROUP: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+                                   BV: gl.constexpr, USE_INITIAL_STATE: gl.constexpr,
+                                   STORE_FINAL_STATE: gl.constexpr, STORE_STATES: gl.constexpr,
+                                   WITH_OUTPUT: gl.constexpr):
+        """H counts value heads; q and k are read at key head i_h // GROUP, w at value head i_h; q_desc, o_desc and
+        scale are unused without WITH_OUTPUT."""
         NS: gl.constexpr = K // 64
         dtype: gl.constexpr = k_desc.dtype
         i_v, i_bh = gl.program_id(0), gl.program_id(1)
@@ -257,16 +274,23 @@ if gluon is not None:
         sb3 = gl.allocate_shared_memory(dtype, [2, BV, 64], h_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [2, 64, BV], v_desc.layout)
         vg_buf = gl.allocate_shared_memory(dtype, [64, BV], v_desc.layout)
+        if WITH_OUTPUT:
+            q_bufs = gl.allocate_shared_memory(dtype, [2 * NS, 64, 64], q_desc.layout)
+            m_buf = gl.allocate_shared_memory(dtype, [64, 64], k_desc.layout)
+            o_bufs = gl.allocate_shared_memory(dtype, [2, 64, BV], o_desc.layout)
+        else:  # not read
+            q_bufs, m_buf, o_bufs = k_bufs, vg_buf, v_bufs
         ready_bars, empty_bars = _ring_barriers()
         row0 = i_b * T
         v_col = i_h * V + i_v * BV
         gl.warp_specialize([
-            (_forward_consumer, (k_bufs, w_bufs, u_bufs, ready_bars, empty_bars, sb0, sb1, sb2, sb3, v_bufs, vg_buf,
-                                 h_desc,
-                                 v_desc, g, h0, ht, T, NT, row0, v_col, i_b, i_h, i_v, i_bh, H, K, V, BV,
-                                 USE_INITIAL_STATE, STORE_FINAL_STATE)),
-            (_key_loader, (k_desc, w_desc, k_desc, k_bufs, w_bufs, k_bufs, u_desc, u_bufs, ready_bars, empty_bars,
-                           row0, i_h // GROUP * K, i_h * K, i_h // GROUP * K, v_col, NT, NS, False, True, False)),
+            (_forward_consumer, (q_bufs, k_bufs, w_bufs, u_bufs, ready_bars, empty_bars, sb0, sb1, sb2, sb3, v_bufs,
+                                 vg_buf, m_buf, o_bufs, h_desc, v_desc, o_desc, g, h0, ht, scale, T, NT, row0, v_col,
+                                 i_b, i_h, i_v, i_bh, H, K, V, BV, USE_INITIAL_STATE, STORE_FINAL_STATE,
+                                 STORE_STATES, WITH_OUTPUT)),
+            (_key_loader, (k_desc, w_desc, q_desc, k_bufs, w_bufs, q_bufs, u_desc, u_bufs, ready_bars, empty_bars,
+                           row0, i_h // GROUP * K, i_h * K, i_h // GROUP * K, v_col, NT, NS, WITH_OUTPUT, True,
+                           False)),
         ], [1], [40])
 
     @gluon.jit
@@ -398,11 +422,12 @@ def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False
     (h, v_new, final), grid = _outputs(w, u, output_final_state)
     key, state, value = _layouts(k.dtype)
     h0 = None if initial_state is None else initial_state.contiguous()
+    k_tiles, v_tiles = _rows(k, [CHUNK, KEY_SLICE], key), _rows(v_new, [CHUNK, BLOCK_V], value)
     _chunk_state_fwd_ws_kernel[grid](
-        _rows(k, [CHUNK, KEY_SLICE], key), _rows(w, [CHUNK, KEY_SLICE], key), _rows(u, [CHUNK, BLOCK_V], value),
-        _rows(h, [BLOCK_V, KEY_SLICE], state), _rows(v_new, [CHUNK, BLOCK_V], value), g.contiguous(),
-        h if h0 is None else h0, h if final is None else final, *_lengths_and_dims(h, k.shape[1], k.shape[2]),
-        BLOCK_V, h0 is not None, output_final_state, num_warps=4,
+        k_tiles, k_tiles, _rows(w, [CHUNK, KEY_SLICE], key), _rows(u, [CHUNK, BLOCK_V], value),
+        _rows(h, [BLOCK_V, KEY_SLICE], state), v_tiles, v_tiles, g.contiguous(), h if h0 is None else h0,
+        h if final is None else final, 1.0, *_lengths_and_dims(h, k.shape[1], k.shape[2]), BLOCK_V, h0 is not None,
+        output_final_state, True, False, num_warps=4,
     )
     return h, v_new, final
 

@@ -114,3 +114,28 @@ def test_the_gluon_fused_forward_matches_the_triton_one_and_the_references(batch
         for got, other, want in zip(ours, theirs, (ref_o, ref_final, ref_h, ref_v_new)):
             if got is not None:
                 assert _relative(got.cpu(), want) < 2 * _relative(other.cpu(), want) + 1e-3
+
+
+@needs_gluon
+def test_the_host_wrapper_launches_the_forward_kernel_with_the_output(monkeypatch):
+    """No GPU needed: the fused forward is `state_ws`'s forward kernel with WITH_OUTPUT, every argument on the
+    parameter of its name, h and v_new left out unless kept, GVA's group from the heads."""
+    batch, seq_len, key_heads, heads, key_dim, value_dim = 1, 1000, 2, 4, 128, 64
+    launches = []
+    kernel = state_ws._chunk_state_fwd_ws_kernel
+    recorder = type("Recorder", (), {"__getitem__": lambda self, grid: lambda *args, **options: launches.append(
+        (grid, dict(zip(kernel.arg_names, args))))})()
+    monkeypatch.setattr(state_ws, "_chunk_state_fwd_ws_kernel", recorder)
+    key = torch.zeros(batch, seq_len, key_heads, key_dim, dtype=torch.bfloat16)
+    w = torch.zeros(batch, seq_len, heads, key_dim, dtype=torch.bfloat16)
+    u = torch.zeros(batch, seq_len, heads, value_dim, dtype=torch.bfloat16)
+    gates = torch.zeros(batch, seq_len, heads)
+    for store_states in (False, True):
+        o, final, h, v_new = chunk_fwd_fused_ws.chunk_fwd_fused(key, key, w, u, gates, 0.25, None, True, store_states)
+        grid, args = launches[-1]
+        assert grid == (value_dim // state_ws.BLOCK_V, batch * heads)
+        assert args["WITH_OUTPUT"] and args["STORE_STATES"] == store_states and args["scale"] == 0.25
+        assert (args["H"], args["GROUP"], args["K"], args["V"], args["NT"]) == (heads, 2, key_dim, value_dim, 16)
+        assert args["ht"] is final and not args["USE_INITIAL_STATE"] and o.shape == u.shape
+        assert (h is None and v_new is None) if not store_states else (h.shape == (batch, 16, heads, value_dim,
+                                                                                    key_dim) and v_new.shape == u.shape)

@@ -34,8 +34,9 @@ def _compile_for_sm90(kernel, key_dim: int, dtype: torch.dtype, flags: dict, sta
     value_desc = mangle_type(TensorDescriptor.from_tensor(rows, [64, 32], value))
     pointer = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     if kernel is state_ws._chunk_state_fwd_ws_kernel:
-        names = {"k_desc": key_desc, "w_desc": key_desc, "u_desc": value_desc, "h_desc": state_desc,
-                 "v_desc": value_desc, "g": "*fp32", "h0": state_pointer, "ht": state_pointer}
+        names = {"q_desc": key_desc, "k_desc": key_desc, "w_desc": key_desc, "u_desc": value_desc,
+                 "h_desc": state_desc, "v_desc": value_desc, "o_desc": value_desc, "g": "*fp32", "h0": state_pointer,
+                 "ht": state_pointer, "scale": "fp32"}
     else:
         names = {"q_desc": key_desc, "k_desc": key_desc, "w_desc": key_desc, "dh_desc": state_desc,
                  "dv2_desc": value_desc, "do": pointer, "dv": pointer, "g": "*fp32", "dht": state_pointer,
@@ -53,7 +54,8 @@ def _compile_for_sm90(kernel, key_dim: int, dtype: torch.dtype, flags: dict, sta
 def test_kernels_compile_for_hopper_within_shared_memory(key_dim, dtype, group):
     """No GPU needed: both kernels lower to 64 × 32 wgmma and fit an sm90 block's shared memory."""
     forward = _compile_for_sm90(state_ws._chunk_state_fwd_ws_kernel, key_dim, dtype,
-                                {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True}, group=group)
+                                {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "STORE_STATES": True,
+                                 "WITH_OUTPUT": False}, group=group)
     backward = _compile_for_sm90(state_ws._chunk_state_bwd_ws_kernel, key_dim, dtype,
                                  {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True, "LOCAL_DV": False},
                                  group=group)
@@ -227,6 +229,7 @@ def test_the_host_wrappers_launch_the_kernels_with_their_signature(monkeypatch):
     assert {name: forward[name] for name in expected} == expected == {name: backward[name] for name in expected}
     assert forward["h0"] is not h and torch.equal(forward["h0"], boundary) and forward["ht"] is final
     assert forward["USE_INITIAL_STATE"] and forward["STORE_FINAL_STATE"] and backward["scale"] == 0.5
+    assert forward["STORE_STATES"] and not forward["WITH_OUTPUT"] and not backward["LOCAL_DV"]
     assert backward["dh0"] is dh0 and not backward["USE_FINAL_STATE_GRADIENT"] and backward["USE_INITIAL_STATE"]
     assert h.shape == dh.shape == (batch, 16, heads, value_dim, key_dim) and v_new.shape == dv2.shape == value.shape
 
