@@ -11,11 +11,8 @@ so the kernel takes key dims up to 128 (Qwen3-Next's heads); wider keys stay on 
 
 from __future__ import annotations
 
-import torch
-
 from megatron_muon.kernels.gluon_support import KernelSwitch
 from megatron_muon.ops import state_ws
-from megatron_muon.ops.state_ws import BLOCK_V, CHUNK, KEY_SLICE
 
 MAX_KEY_DIM = 128
 SWITCH = KernelSwitch("warp-specialized Hopper GDN fused chunk forward")
@@ -30,23 +27,6 @@ def ready(q, k, w, u) -> bool:
 def chunk_fwd_fused(q, k, w, u, g, scale: float, initial_state=None, output_final_state: bool = False,
                     store_states: bool = False):
     """`chunk_fwd_fused.chunk_fwd_fused` on the warp-specialized kernel (where `ready`)."""
-    batch, seq_len, heads, key_dim = w.shape
-    value_dim = u.shape[-1]
-    chunks = -(-seq_len // CHUNK)
-    key, state, value = state_ws._layouts(k.dtype)
-    o = torch.empty_like(u)
-    # without kept states the kernel stores no h or v_new: its descriptors then only lend their layouts
-    h = k.new_empty(batch, chunks if store_states else 1, heads, value_dim, key_dim)
-    v_new = torch.empty_like(u) if store_states else o
-    final = k.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if output_final_state else None
-    h0 = None if initial_state is None else initial_state.contiguous()
-    state_ws._chunk_state_fwd_ws_kernel[(value_dim // BLOCK_V, batch * heads)](
-        state_ws._rows(q, [CHUNK, KEY_SLICE], key), state_ws._rows(k, [CHUNK, KEY_SLICE], key),
-        state_ws._rows(w, [CHUNK, KEY_SLICE], key), state_ws._rows(u, [CHUNK, BLOCK_V], value),
-        state_ws._rows(h, [BLOCK_V, KEY_SLICE], state), state_ws._rows(v_new, [CHUNK, BLOCK_V], value),
-        state_ws._rows(o, [CHUNK, BLOCK_V], value), g.contiguous(), h if h0 is None else h0,
-        h if final is None else final, float(scale), seq_len, chunks, heads, heads // k.shape[2], key_dim, value_dim,
-        BLOCK_V, h0 is not None, output_final_state, store_states, True, num_warps=4,
-    )
-    return o, final, (h if store_states else None), (v_new if store_states else None)
-
+    h, v_new, o, final = state_ws.chunk_forward(k, w, u, g, initial_state, output_final_state, q=q, scale=scale,
+                                                store_states=store_states)
+    return o, final, h, v_new

@@ -317,22 +317,33 @@ def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False
     """(h [B, NT, HV, V, K], v_new like u, final state [B, HV, V, K] fp32 or None) as FLA's value-first
     `chunk_gated_delta_rule_fwd_h`, with k [B, T, H, K] and w [B, T, HV, K]; `config` = (BV, warps, stages) pins a
     tile."""
+    h, v_new, _, final = chunk_forward(k, w, u, g, initial_state, output_final_state, config)
+    return h, v_new, final
+
+
+def chunk_forward(k, w, u, g, initial_state=None, output_final_state: bool = False, config=None, *, q=None,
+                  scale: float = 1.0, store_states: bool = True, configs=FORWARD_CONFIGS):
+    """The forward state kernel's launcher: (h, v_new, o, final state), each None where not asked for. With q the
+    kernel also computes the output o = scale·(...) (`ops/chunk_fwd_fused.py`); `store_states` writes h and v_new;
+    `configs` is the tile table whose first entry is the default."""
     batch, seq_len, heads, key_dim = w.shape
     value_dim = u.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
-    block_v, warps, stages = _tile(value_dim, config, FORWARD_CONFIGS)
-    h = k.new_empty(batch, chunks, heads, value_dim, key_dim)
-    v_new = torch.empty_like(u)
+    block_v, warps, stages = _tile(value_dim, config, configs)
+    h = k.new_empty(batch, chunks, heads, value_dim, key_dim) if store_states else None
+    v_new = torch.empty_like(u) if store_states else None
+    o = None if q is None else torch.empty_like(u)
     final = k.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if output_final_state else None
     h0 = None if initial_state is None else initial_state.contiguous()
     k_tiles = _descriptor(k, KEY_SLICE)
     _chunk_state_fwd_kernel[(value_dim // block_v, batch * heads)](
-        k_tiles, k_tiles, _descriptor(w, KEY_SLICE), _descriptor(u, block_v), g.contiguous(), h0, h, v_new, None,
-        final, 1.0, seq_len, chunks, H=heads, GROUP=heads // k.shape[2], K=key_dim, V=value_dim, BT=CHUNK,
-        BV=block_v, STAGES=stages, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state,
-        STORE_STATES=True, WITH_OUTPUT=False, num_warps=warps,
+        k_tiles if q is None else _descriptor(q, KEY_SLICE), k_tiles, _descriptor(w, KEY_SLICE),
+        _descriptor(u, block_v), g.contiguous(), h0, h, v_new, o, final, float(scale), seq_len, chunks, H=heads,
+        GROUP=heads // k.shape[2], K=key_dim, V=value_dim, BT=CHUNK, BV=block_v, STAGES=stages,
+        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, STORE_STATES=store_states,
+        WITH_OUTPUT=q is not None, num_warps=warps,
     )
-    return h, v_new, final
+    return h, v_new, o, final
 
 
 def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False, config=None):

@@ -419,17 +419,32 @@ def _lengths_and_dims(states: torch.Tensor, seq_len: int, key_heads: int) -> tup
 
 def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False):
     """`state_tma.chunk_fwd_h` on the warp-specialized kernel (where `ready`)."""
-    (h, v_new, final), grid = _outputs(w, u, output_final_state)
+    h, v_new, _, final = chunk_forward(k, w, u, g, initial_state, output_final_state)
+    return h, v_new, final
+
+
+def chunk_forward(k, w, u, g, initial_state=None, output_final_state: bool = False, *, q=None, scale: float = 1.0,
+                  store_states: bool = True):
+    """The forward kernel's launcher: (h, v_new, o, final state), each None where not asked for; with q the kernel
+    also computes the output (`ops/chunk_fwd_fused_ws.py`). Without `store_states` h and v_new stay in shared
+    memory; their descriptors then only lend their layouts."""
+    batch, seq_len, heads, key_dim = w.shape
+    value_dim = u.shape[-1]
     key, state, value = _layouts(k.dtype)
+    h = k.new_empty(batch, -(-seq_len // CHUNK) if store_states else 1, heads, value_dim, key_dim)
+    o = None if q is None else torch.empty_like(u)
+    v_new = torch.empty_like(u) if store_states or o is None else o  # never written then: o's memory lends it
+    final = k.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if output_final_state else None
     h0 = None if initial_state is None else initial_state.contiguous()
     k_tiles, v_tiles = _rows(k, [CHUNK, KEY_SLICE], key), _rows(v_new, [CHUNK, BLOCK_V], value)
-    _chunk_state_fwd_ws_kernel[grid](
-        k_tiles, k_tiles, _rows(w, [CHUNK, KEY_SLICE], key), _rows(u, [CHUNK, BLOCK_V], value),
-        _rows(h, [BLOCK_V, KEY_SLICE], state), v_tiles, v_tiles, g.contiguous(), h if h0 is None else h0,
-        h if final is None else final, 1.0, *_lengths_and_dims(h, k.shape[1], k.shape[2]), BLOCK_V, h0 is not None,
-        output_final_state, True, False, num_warps=4,
+    _chunk_state_fwd_ws_kernel[(value_dim // BLOCK_V, batch * heads)](
+        k_tiles if q is None else _rows(q, [CHUNK, KEY_SLICE], key), k_tiles, _rows(w, [CHUNK, KEY_SLICE], key),
+        _rows(u, [CHUNK, BLOCK_V], value), _rows(h, [BLOCK_V, KEY_SLICE], state), v_tiles,
+        v_tiles if o is None else _rows(o, [CHUNK, BLOCK_V], value), g.contiguous(), h if h0 is None else h0,
+        h if final is None else final, float(scale), seq_len, -(-seq_len // CHUNK), heads, heads // k.shape[2],
+        key_dim, value_dim, BLOCK_V, h0 is not None, output_final_state, store_states, q is not None, num_warps=4,
     )
-    return h, v_new, final
+    return (h, v_new, o, final) if store_states else (None, None, o, final)
 
 
 def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False):
