@@ -6,10 +6,9 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours" or "fla".
 - ``output_terms``: the intra-chunk terms beside the state recurrences, the forward's output and the backward's
   local value gradient: "fla" (FLA's `chunk_fwd_o` and `chunk_bwd_dv_local`, around the recurrences of ``states``)
-  or "fused" (computed inside our recurrences: the fused forward, `ops/chunk_fwd_fused_ws.py` in Gluon where
-  ``states`` is "gluon" and K ≤ 128, else `ops/chunk_fwd_fused.py` in Triton; and the state-gradient kernel of ``states``
-  (Gluon or Triton) called without dv; a backward that recomputes the forward states still runs them on
-  ``states``).
+  or "fused" (computed inside our recurrences, in Gluon where ``states`` is "gluon" and the kernel applies, else in
+  Triton: the fused forward, `ops/chunk_fwd_fused_ws.py` for K ≤ 128 or `ops/chunk_fwd_fused.py`, and the
+  state-gradient kernel called without dv; a backward that recomputes the forward states runs them on ``states``).
 
 Named presets: "ours" (gluon + ours + fla, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
 fla) and "fla" (FLA's everywhere).

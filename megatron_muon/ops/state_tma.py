@@ -18,8 +18,9 @@ faster than FLA's autotuned kernel and the forward takes the same time (docs/des
 Rounding differs from FLA's in one place: the backward's gate 2^g multiplies do (a [BT, BV] tile) instead of q, and
 that product runs in the input dtype rather than tf32. Dense equal-length batches; with more value heads than key
 heads (GVA) value head h reads key head h // (HV // H) of k and q (w is per value head); everything else stays on FLA
-(`qualifies`). Where Triton has Gluon, the warp-specialized kernels of `state_ws.py`
-take these calls on sm90 (docs/components.md); `ops/kernel_choice` picks between them and FLA's.
+(`qualifies`). Where Triton has Gluon, the warp-specialized kernels of `state_ws.py` take these calls on sm90
+(docs/components.md); `ops/kernel_choice` picks between them and FLA's. Both kernels can also compute the chunks'
+own output terms (the forward's output, the backward's local value gradient): the "fused" kernel choice.
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ KEY_SLICE = 64  # the kernels keep the state in [BV, 64] key slices (key dims 64
 
 
 def qualifies(key_side: list, value_side: list, g, cu_seqlens, chunk_size: int) -> bool:
-    """Dense [B, T, H, K] key-side and [B, T, H, V] value-side bf16/fp16 tensors on an sm90 GPU (or the
+    """Dense [B, T, H, K] key-side and [B, T, HV, V] value-side bf16/fp16 tensors on an sm90 GPU (or the
     interpreter), q and k with key heads that divide the value heads (w, and the value side, per value head),
-    contiguous (TMA-able), with V a multiple of the default tiles' value
-    blocks."""
+    contiguous (TMA-able), with V a multiple of the default tiles' value blocks."""
     first = key_side[0]
     on_device = first.is_cuda and torch.cuda.get_device_capability(first.device)[0] == 9
     if triton is None or not (on_device or (_INTERPRETING and first.device.type == "cpu")):
