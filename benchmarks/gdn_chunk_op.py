@@ -9,7 +9,7 @@ The input is what the layer feeds the op: q and unit-norm k [B=1, T, H, K], v [1
   ours chunk op                       the same call with FlashQLA turned off: our kernels, chunk states kept
   ours chunk op (STAGES)              the same with other kernels per stage (`ops/kernel_choice`): FLA's state
                                       recurrences or output gradients, our Triton states, the output terms fused
-                                      into our state recurrences, or FLA's everywhere (our op still keeping the chunk
+                                      into our state recurrences (both passes, or the backward only), or FLA's everywhere (our op still keeping the chunk
                                       states), so each stage's choice is measured
   fla chunk op                        fla.ops.gated_delta_rule.chunk_gated_delta_rule with FLA_FLASH_QLA=0, so FLA
                                       runs its own kernels rather than handing the call to FlashQLA
@@ -32,6 +32,7 @@ REFERENCE_VARIANT = "FlashQLA chunk op (direct)"
 STAGE_VARIANTS = [("states: fla", GdnKernels("fla", "ours")), ("states: triton", GdnKernels("triton", "ours")),
                   ("output grads: fla", GdnKernels("gluon", "fla")),
                   ("output terms: fused", GdnKernels(output_terms="fused")),
+                  ("output terms: backward only", GdnKernels(output_terms="backward")),
                   ("all stages: fla", GdnKernels("fla", "fla"))]
 
 

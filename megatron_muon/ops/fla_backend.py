@@ -167,7 +167,7 @@ def _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_in
     """(per-chunk state gradients dh, dh0, the gradient of u): the chunks' own value gradient (FLA's
     `chunk_bwd_dv_local`) and the state-gradient recurrence, as two kernels or, with fused output terms, one of ours
     (Gluon or Triton, as for the state kernels)."""
-    if STATE_V_FIRST and gdn_kernels().output_terms == "fused" and state_tma.qualifies(
+    if STATE_V_FIRST and gdn_kernels().output_terms in ("fused", "backward") and state_tma.qualifies(
             [q, k, w], [do], g_cumsum, cu_seqlens, CHUNK_SIZE):
         return _state_kernel("chunk_dhu", [q, k, w], [do], q, k, w, g_cumsum, do, None, scale, dht=dht,
                              want_dh0=h0 is not None)

@@ -8,7 +8,8 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
   local value gradient: "fla" (FLA's `chunk_fwd_o` and `chunk_bwd_dv_local`, around the recurrences of ``states``)
   or "fused" (computed inside our recurrences, in Gluon where ``states`` is "gluon" and the kernel applies, else in
   Triton: the fused forward, `ops/chunk_fwd_fused_ws.py` for K ≤ 128 or `ops/chunk_fwd_fused.py`, and the
-  state-gradient kernel called without dv; a backward that recomputes the forward states runs them on ``states``).
+  state-gradient kernel called without dv; a backward that recomputes the forward states runs them on ``states``),
+  or "backward" (the backward's term only; the forward stays split).
 
 Named presets: "ours" (gluon + ours + fla, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
 fla) and "fla" (FLA's everywhere).
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
 STATE_KERNELS = ("gluon", "triton", "fla")
 OUTPUT_GRAD_KERNELS = ("ours", "fla")
-OUTPUT_TERM_KERNELS = ("fla", "fused")
+OUTPUT_TERM_KERNELS = ("fla", "fused", "backward")
 
 
 @dataclass(frozen=True)

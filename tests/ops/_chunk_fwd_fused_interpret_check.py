@@ -51,19 +51,23 @@ def main():
     # the GDN op's forward takes the fused kernel only where the kernel choice asks for it
     from megatron_muon.ops import fla_backend, kernel_choice
 
-    for preset, fused in (("fused", True), ("ours", False), ("fla", False)):
-        kernel_choice.set_gdn_kernels(preset)
-        assert fla_backend._on_fused_forward(q, k, w, u, gates, None) == fused, preset
+    backward_only = kernel_choice.GdnKernels(output_terms="backward")
+    for choice, fused in (("fused", True), ("ours", False), ("fla", False), (backward_only, False)):
+        kernel_choice.set_gdn_kernels(choice)
+        assert fla_backend._on_fused_forward(q, k, w, u, gates, None) == fused, choice
     kernel_choice.set_gdn_kernels("fused")
     assert not fla_backend._on_fused_forward(q, k, w, u, gates, torch.tensor([0, 64, seq_len]))  # packed: split
-    # and the backward's state gradients take the local value gradient inside our kernel
+    # and the backward's state gradients take the local value gradient inside our kernel, with the forward fused or
+    # split
     do = torch.randn(batch, seq_len, heads, value_dim, generator=gen).half()
-    dh, dh0, du = fla_backend._state_gradients(q, k, w, gates, do, scale, state, state, None, None)
     q_per_value_head = q.repeat_interleave(heads // key_heads, dim=2)
     reference = chunk_state_backward_reference(q_per_value_head, k_per_value_head, w, gates, do,
                                                chunk_local_dv_reference(q, k, gates, do, scale), scale, dht=state)
-    errors = [relative(a, b) for a, b in zip((dh, dh0, du), reference)]
-    assert max(errors) < 2e-3, errors
+    for choice in ("fused", backward_only):
+        kernel_choice.set_gdn_kernels(choice)
+        dh, dh0, du = fla_backend._state_gradients(q, k, w, gates, do, scale, state, state, None, None)
+        errors = [relative(a, b) for a, b in zip((dh, dh0, du), reference)]
+        assert max(errors) < 2e-3, (choice, errors)
     print("interpreter ok")
 
 
