@@ -426,6 +426,18 @@ class Muon(torch.optim.Optimizer):
     def _stack_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return muon_math.stack_dtype(grad_dtype, self.compute_dtype)
 
+    def _stacked_slots(self, bucket: Bucket, pieces: list[tuple[torch.Tensor, int]]):
+        """One [matrices, rows, cols] NS input for the bucket and each piece's slot in it, a view shaped like the
+        piece; `pieces` are (gradient piece, how many matrices it contributes)."""
+        dtype = self._stack_dtype(pieces[0][0].dtype)
+        stacked = torch.empty((sum(count for _, count in pieces), *bucket.shape), dtype=dtype,
+                              device=pieces[0][0].device)
+        slots, offset = [], 0
+        for grad_piece, count in pieces:
+            slots.append(stacked[offset : offset + count].view(grad_piece.shape))
+            offset += count
+        return stacked, slots
+
     def _stack_updates(self, bucket: Bucket, plan: Plan, sources, factor) -> torch.Tensor:
         """The bucket's momentum updates as one [b, rows, cols] NS input, each blended straight into its slot."""
         pieces = []
@@ -435,14 +447,10 @@ class Muon(torch.optim.Optimizer):
             grad_piece = piece_views(grad, layout)[piece_index]
             pieces.append((index, grad_piece, piece_views(buffer, layout)[piece_index], ema_pending,
                            piece_matrix_count(grad_piece, layout.piece_head_rows(piece_index))))
-        dtype = self._stack_dtype(pieces[0][1].dtype)
-        count = sum(piece[-1] for piece in pieces)
-        stacked = torch.empty((count, *bucket.shape), dtype=dtype, device=pieces[0][1].device)
-        offset, pending = 0, []
-        for index, grad_piece, buffer_piece, ema_pending, matrices in pieces:
+        stacked, slots = self._stacked_slots(bucket, [(piece[1], piece[-1]) for piece in pieces])
+        pending = []
+        for (index, grad_piece, buffer_piece, ema_pending, _), slot in zip(pieces, slots):
             group_index = plan.group_of[index]
-            slot = stacked[offset : offset + matrices].view(grad_piece.shape)
-            offset += matrices
             group = self.param_groups[group_index]
             if ema_pending:  # each piece is in exactly one bucket: the EMA covers every buffer element once
                 pending.append((group_index, grad_piece, buffer_piece, slot))

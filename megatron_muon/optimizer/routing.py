@@ -158,12 +158,6 @@ def piece_matrix_count(piece: torch.Tensor, head_rows: int = 0) -> int:
     return piece.shape[0]
 
 
-def piece_as_matrices(piece: torch.Tensor, head_rows: int = 0) -> torch.Tensor:
-    """A piece as [matrices, rows, cols] (a copy when the rows interleave across groups)."""
-    rows, cols = piece_matrix_shape(piece, head_rows)
-    return piece.reshape(piece_matrix_count(piece, head_rows), rows, cols)
-
-
 def tag_fused_in_proj(module: torch.nn.Module) -> int:
     """Mark GDN-style fused input projections so Muon orthogonalizes each section on its own.
 

@@ -137,13 +137,9 @@ class WaveMuon(Muon):
             grad_piece = piece_views(grad, layout)[piece_index]
             pieces.append((group_index, grad_piece, piece_views(buffer, layout)[piece_index],
                            piece_matrix_count(grad_piece, layout.piece_head_rows(piece_index))))
-        dtype = self._stack_dtype(pieces[0][1].dtype)
-        count = sum(piece[-1] for piece in pieces)
-        stacked = torch.empty((count, *bucket.shape), dtype=dtype, device=pieces[0][1].device)
-        offset, slotted = 0, []
-        for group_index, grad, buffer, matrices in pieces:
-            slotted.append((group_index, grad, buffer, stacked[offset : offset + matrices].view(grad.shape)))
-            offset += matrices
+        stacked, slots = self._stacked_slots(bucket, [(piece[1], piece[-1]) for piece in pieces])
+        slotted = [(group_index, grad, buffer, slot) for (group_index, grad, buffer, _), slot in zip(pieces, slots)]
+
         def unclipped(group_index: int) -> bool:  # the factor is in the gradient already, or there is none
             return factor is None or self.param_groups[group_index]["weight_decay_mode"] == "l2"
 
