@@ -24,9 +24,6 @@ OPS = ("BAR", "SYNCS", "HMMA", "HGMMA", "LDSM", "STSM", "LDS", "STS", "STG")
 KEY_TILE = "tensordesc<bf16[1,64,64]>"  # the 64-column key slices our kernels stream
 
 
-SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory one block may use on an H100 / H200
-
-
 def compile_sm90(fn, signature: dict, constants: dict, warps: int, stages: int | None = None):
     """The kernel compiled for sm90 by Triton's own ptxas, pointers and lengths specialized as at run time."""
     import triton

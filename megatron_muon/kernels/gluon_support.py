@@ -33,6 +33,9 @@ if triton is not None and Version(triton.__version__).release >= FIRST_TRITON.re
         gluon = None
 
 
+SM90_SHARED_MEMORY_PER_BLOCK = 227 * 1024  # bytes one block may use on an H100 / H200 (the kernels' tile budgets)
+
+
 @functools.cache
 def is_hopper(device_index: int) -> bool:
     """sm90 exactly: the kernels use wgmma."""

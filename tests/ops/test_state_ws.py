@@ -10,10 +10,11 @@ import warnings
 import pytest
 import torch
 
+from megatron_muon.kernels.gluon_support import SM90_SHARED_MEMORY_PER_BLOCK
 from megatron_muon.ops import fla_backend, kernel_choice, state_tma, state_ws
 from tests.ops.test_state_tma import _check_against_fla_and_reference, _relative
 
-SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm90
+SHARED_MEMORY_LIMIT = SM90_SHARED_MEMORY_PER_BLOCK
 needs_gluon = pytest.mark.skipif(state_ws.gluon is None, reason="this Triton has no Gluon")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm90 GPU")
