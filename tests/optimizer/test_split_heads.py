@@ -111,14 +111,18 @@ def test_megatrons_gdn_layer_is_tagged_from_its_own_head_dims():
 
 
 def test_head_pieces_cover_the_section_in_order():
-    """A head piece is the section's own view cut into [matrices, head rows, cols]: same elements, same order."""
+    """A head piece cut into [matrices, head rows, cols] (as the optimizer's slots view it) gives the section's head
+    blocks of the parameter's rows, in order."""
     param = _gdn_in_proj()
     layout = matrix_layout(param, split_heads=True)
-    for index, piece in enumerate(piece_views(param, layout)):
+    start = 0
+    for index, (piece, size) in enumerate(zip(piece_views(param, layout), param.qkv_split_shapes)):
         heads = layout.piece_head_rows(index)
         count, shape = piece_matrix_count(piece, heads), piece_matrix_shape(piece, heads)
         matrices = piece.reshape(count, *shape)
-        torch.testing.assert_close(matrices.reshape(piece.shape), piece, rtol=0, atol=0)
+        blocks = param.detach()[start:start + size].reshape(count, *shape)  # one group: the section's rows
+        torch.testing.assert_close(matrices, blocks, rtol=0, atol=0)
+        start += size
     assert [piece_matrix_count(p, layout.piece_head_rows(i)) for i, p in enumerate(piece_views(param, layout))] \
         == [2, 2, 4, 4, 1, 1]
 
