@@ -44,6 +44,20 @@ def gdn_inputs(batch, seq_len, heads, value_heads, key_dim, value_dim, *, dtype=
     return [x.to(device) for x in (q, k, v, g, beta, h0)]
 
 
+def chunk_kernel_inputs(batch, seq_len, key_heads, heads, key_dim, value_dim, dtype=torch.bfloat16, device="cuda"):
+    """The chunk-state kernels' inputs as the GDN op hands them over (seeded by the caller): unit-norm q, k
+    [B, T, key_heads, K], w [B, T, heads, K], u, do, dv [B, T, heads, V], chunk-local cumulative log2 gates g
+    [B, T, heads] (fp32) and an fp32 value-first state [B, heads, V, K]."""
+    key_shape = (batch, seq_len, key_heads, key_dim)
+    q, k = (F.normalize(torch.randn(key_shape, device=device), dim=-1).to(dtype) for _ in range(2))
+    w = (torch.randn(batch, seq_len, heads, key_dim, device=device) * 0.05).to(dtype)
+    u, do, dv = (torch.randn(batch, seq_len, heads, value_dim, device=device).to(dtype) for _ in range(3))
+    steps = -torch.rand(batch, seq_len, heads, device=device) * 0.1
+    g = torch.cat([steps[:, i : i + 64].cumsum(1) for i in range(0, seq_len, 64)], dim=1) / 0.6931471805599453
+    state = torch.randn(batch, heads, value_dim, key_dim, device=device) * 0.1
+    return q, k, w, u, do, dv, g, state
+
+
 def _why_flas_gpu_backward_cannot_run() -> str | None:
     """None where FLA's gated output-gradient kernel runs correctly: FLA installed on a GPU, and Triton does not
     miscompile it on this device or FLA sends it to TileLang (FLA raises otherwise, FLA issue #640)."""

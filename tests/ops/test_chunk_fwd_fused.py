@@ -18,6 +18,7 @@ from megatron_muon.ops.reference import (
     naive_recurrent_gated_delta_rule,
 )
 from tests.interpreter import run_under_interpreter
+from tests.ops.helpers import chunk_kernel_inputs
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -90,21 +91,10 @@ GPU_SHAPES = {"qwen3-next": (16, 32, 128, 128), "hybrid-1.5b": (6, 6, 256, 512)}
 
 
 def _gpu_inputs(shape: str, seq_len: int):
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
-
     key_heads, heads, key_dim, value_dim = GPU_SHAPES[shape]
     torch.manual_seed(seq_len + heads)
-
-    def unit_rows():
-        return torch.nn.functional.normalize(torch.randn(1, seq_len, key_heads, key_dim, device="cuda"),
-                                             dim=-1).bfloat16()
-
-    q, k = unit_rows(), unit_rows()
-    w = (torch.randn(1, seq_len, heads, key_dim, device="cuda") * 0.05).bfloat16()
-    u = torch.randn(1, seq_len, heads, value_dim, device="cuda").bfloat16()
-    g = chunk_local_cumsum(-torch.rand(1, seq_len, heads, device="cuda") * 0.1, chunk_size=64, scale=RCP_LN2)
-    return q, k, w, u, g, torch.randn(1, heads, value_dim, key_dim, device="cuda")
+    q, k, w, u, _, _, g, state = chunk_kernel_inputs(1, seq_len, key_heads, heads, key_dim, value_dim)
+    return q, k, w, u, g, state
 
 
 def _relative(got, want):

@@ -12,6 +12,7 @@ import torch
 from megatron_muon.ops import chunk_fwd_fused, chunk_fwd_fused_ws, fla_backend, kernel_choice, state_ws
 from megatron_muon.ops.reference import chunk_output_reference, chunk_state_forward_reference
 from tests.ops.test_state_tma import _relative
+from tests.ops.helpers import chunk_kernel_inputs
 from tests.ops.test_chunk_fwd_fused import BENCHMARKS
 from tests.ops.test_state_ws import SHARED_MEMORY_LIMIT, needs_gluon, needs_hopper
 
@@ -92,13 +93,7 @@ def test_the_gluon_fused_forward_matches_the_triton_one_and_the_references(batch
     from the fp32 chunk references than twice its error."""
     torch.manual_seed(seq_len + key_dim)
     scale = key_dim**-0.5
-    key_shape = (batch, seq_len, key_heads, key_dim)
-    q, k = (torch.nn.functional.normalize(torch.randn(key_shape, device="cuda"), dim=-1).bfloat16() for _ in range(2))
-    w = (torch.randn(batch, seq_len, heads, key_dim, device="cuda") * 0.05).bfloat16()
-    u = torch.randn(batch, seq_len, heads, value_dim, device="cuda").bfloat16()
-    steps = -torch.rand(batch, seq_len, heads, device="cuda") * 0.1
-    g = torch.cat([steps[:, i : i + 64].cumsum(1) for i in range(0, seq_len, 64)], dim=1) / 0.6931471805599453
-    state = torch.randn(batch, heads, value_dim, key_dim, device="cuda") * 0.1
+    q, k, w, u, _, _, g, state = chunk_kernel_inputs(batch, seq_len, key_heads, heads, key_dim, value_dim)
     assert chunk_fwd_fused.qualifies(q, k, w, u, g, None, 64) and chunk_fwd_fused_ws.ready(q, k, w, u)
     ours = chunk_fwd_fused_ws.chunk_fwd_fused(q, k, w, u, g, scale, state, True, store_states)
     theirs = chunk_fwd_fused.chunk_fwd_fused(q, k, w, u, g, scale, state, True, store_states)

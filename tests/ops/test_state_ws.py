@@ -12,6 +12,7 @@ import torch
 
 from megatron_muon.kernels.gluon_support import SM90_SHARED_MEMORY_PER_BLOCK
 from megatron_muon.ops import fla_backend, kernel_choice, state_tma, state_ws
+from tests.ops.helpers import chunk_kernel_inputs
 from tests.ops.test_state_tma import _check_against_fla_and_reference, _relative
 
 SHARED_MEMORY_LIMIT = SM90_SHARED_MEMORY_PER_BLOCK
@@ -180,13 +181,7 @@ def test_other_shapes_match_the_triton_kernels_and_the_fp32_recurrences(batch, s
 
     torch.manual_seed(seq_len + key_dim)
     heads, scale = 3, key_dim**-0.5
-    key_shape = (batch, seq_len, key_heads, key_dim)
-    q, k = (torch.nn.functional.normalize(torch.randn(key_shape, device="cuda"), dim=-1).to(dtype) for _ in range(2))
-    w = (torch.randn(batch, seq_len, heads, key_dim, device="cuda") * 0.05).to(dtype)
-    u, do, dv = (torch.randn(batch, seq_len, heads, value_dim, device="cuda").to(dtype) for _ in range(3))
-    steps = -torch.rand(batch, seq_len, heads, device="cuda") * 0.1
-    g = torch.cat([steps[:, i : i + 64].cumsum(1) for i in range(0, seq_len, 64)], dim=1) / 0.6931471805599453
-    state = torch.randn(batch, heads, value_dim, key_dim, device="cuda") * 0.1
+    q, k, w, u, do, dv, g, state = chunk_kernel_inputs(batch, seq_len, key_heads, heads, key_dim, value_dim, dtype)
     assert state_tma.qualifies([k, w], [u], g, None, 64) and state_ws.ready([k, w], [u])
     q_rep, k_rep = (t.repeat_interleave(heads // key_heads, dim=2) for t in (q, k))
     runs = [
@@ -249,13 +244,7 @@ def test_state_gradients_with_the_local_value_gradient_match_the_triton_kernel(s
 
     torch.manual_seed(seq_len + key_dim)
     scale = key_dim**-0.5
-    key_shape = (1, seq_len, key_heads, key_dim)
-    q, k = (torch.nn.functional.normalize(torch.randn(key_shape, device="cuda"), dim=-1).bfloat16() for _ in range(2))
-    w = (torch.randn(1, seq_len, heads, key_dim, device="cuda") * 0.05).bfloat16()
-    do = torch.randn(1, seq_len, heads, value_dim, device="cuda").bfloat16()
-    steps = -torch.rand(1, seq_len, heads, device="cuda") * 0.1
-    g = torch.cat([steps[:, i : i + 64].cumsum(1) for i in range(0, seq_len, 64)], dim=1) / 0.6931471805599453
-    state = torch.randn(1, heads, value_dim, key_dim, device="cuda") * 0.1
+    q, k, w, _, do, _, g, state = chunk_kernel_inputs(1, seq_len, key_heads, heads, key_dim, value_dim)
     assert state_tma.qualifies([q, k, w], [do], g, None, 64) and state_ws.ready([q, k, w], [do])
     ours = state_ws.chunk_dhu(q, k, w, g, do, None, scale, dht=state, want_dh0=True)
     theirs = state_tma.chunk_dhu(q, k, w, g, do, None, scale, dht=state, want_dh0=True)
