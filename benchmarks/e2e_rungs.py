@@ -23,6 +23,9 @@ attention fit at 16k (rung 1 materializes a 16 x 16k x 16k score matrix per atte
 measured in the same run).
 `4t` is rung 4 with our Triton chunk-state kernels (`megatron_muon.ops.state_tma`) in place of the warp-specialized
 Gluon ones (`megatron_muon.ops.state_ws`; the gain of those, measured in the same run).
+`4u` is rung 4 with GDN's intra-chunk output terms inside the state recurrences (`model.gdn_kernels: fused`: the
+fused forward and the state gradients computing the local value gradient), `4b` with the backward's term only (the
+gain of each, measured in the same run).
 `4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
 `megatron_muon.megatron.main_grad_add.install_first_grad_overwrite`, measured in the same run).
 `4a` is rung 4 with megatron's clip multiply, torch's fused AdamW and megatron's master-to-model copy as three
@@ -48,6 +51,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_muon.ops.kernel_choice import GdnKernels
+
 
 @dataclass(frozen=True)
 class Rung:
@@ -64,8 +69,7 @@ class Rung:
     muon_clip_in_momentum: bool = False  # megatron's clip applied inside our Muon's fused momentum pass
     muon_model_copy: bool = False  # the bf16 model copies written by our Muon's fused update pass
     first_grad_overwrite: bool = False  # each step's first gradient overwrites DDP's buffers (no zeroing pass)
-    gdn_kernels: str = "ours"  # GDN's chunk kernels: ours where they qualify, ours with the Triton state kernels
-    # ("triton"), or FLA's everywhere ("fla")
+    gdn_kernels: str | GdnKernels = "ours"  # GDN's chunk kernels: a preset of `ops.kernel_choice` or a per-stage mix
     spec_backend: str = "local"  # our spec's modules: "local" or Transformer Engine's ("te")
     muon_graphs: bool = False  # our Muon's stacks and Newton–Schulz replayed from a CUDA graph
 
@@ -92,6 +96,11 @@ RUNGS = {
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, gdn_kernels="fla"),
     "4t": Rung("4t", "rung 4 with the Triton chunk-state kernels", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, gdn_kernels="triton"),
+    "4u": Rung("4u", "rung 4 with GDN's output terms inside the state kernels", "ours", "cudnn", True, "adam", True,
+               main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, gdn_kernels="fused"),
+    "4b": Rung("4b", "rung 4 with the backward's local dv inside the state kernels", "ours", "cudnn", True, "adam",
+               True, main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
+               gdn_kernels=GdnKernels("gluon", "ours", "backward")),
     "4z": Rung("4z", "rung 4 with DDP's buffers zeroed every step", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True),
     "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,
