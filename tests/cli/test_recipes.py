@@ -52,8 +52,9 @@ def test_qwen3_next_is_the_hybrid_with_qwen3_nexts_gdn_heads():
     m = qwen.model
     assert (m.gdn_num_key_heads, m.gdn_num_value_heads, m.gdn_key_head_dim, m.gdn_value_head_dim) == (16, 32, 128, 128)
     assert full_layer_pattern(qwen) == "GGG*" * 6
-    assert (m.hidden_size, m.ffn_hidden_size, m.seq_length) == (2048, 4608, 16384)
-    differs = {"ffn_hidden_size", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim"}
+    assert (m.hidden_size, m.ffn_hidden_size, m.seq_length, m.gdn_kernels) == (2048, 4608, 16384, "fused")
+    differs = {"ffn_hidden_size", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim",
+               "gdn_kernels"}  # the fused output terms, faster at these heads (results/gdn_fused_terms.md)
     assert {k for k, v in vars(m).items() if vars(hybrid.model)[k] != v} == differs
     assert qwen.optimizer == hybrid.optimizer and qwen.training == hybrid.training and qwen.parallel == hybrid.parallel
     params = parameter_count(model_shape(qwen))
