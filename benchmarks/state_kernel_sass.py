@@ -6,6 +6,7 @@ waits on (block barriers, TMA waits, shared-memory round trips) matters more tha
 
     python benchmarks/state_kernel_sass.py          # FLA's row needs flash-linear-attention importable
     python benchmarks/state_kernel_sass.py --fused  # registers, spills, shared memory of the fused kernels' tiles
+    python benchmarks/state_kernel_sass.py --gluon-maxnreg 168  # the Gluon kernels under a register cap
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def fused_forward(shape: str, block_v: int, warps: int, stages: int, store_state
     return forward_kernel(shape, block_v, warps, stages, store_states, True)
 
 
-def _compile_gluon_sm90(kernel, shape: str, tensors: dict, constants: dict):
+def _compile_gluon_sm90(kernel, shape: str, tensors: dict, constants: dict, maxnreg: int | None = None):
     """A Gluon kernel compiled for sm90 at one of FUSED_SHAPES; `tensors` maps parameter names to "key", "state"
     or "value" (TMA descriptors of our kernels' tiles) or to a pointer type."""
     import torch
@@ -167,22 +168,28 @@ def _compile_gluon_sm90(kernel, shape: str, tensors: dict, constants: dict):
     signature = {**{name: descriptors.get(kind, kind) for name, kind in tensors.items()}, "T": "i32", "NT": "i32",
                  **{name: "constexpr" for name in constants}}
     return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4})
+                          options={"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {}))
 
 
-def fused_forward_gluon(shape: str, store_states: bool = False):
-    """The warp-specialized Gluon fused forward (`ops/chunk_fwd_fused_ws.py`) compiled for sm90 at one of
-    FUSED_SHAPES (key dims up to 128)."""
+def forward_gluon(shape: str, store_states: bool, with_output: bool, maxnreg: int | None = None):
+    """The warp-specialized Gluon forward state kernel (`ops/state_ws.py`), with the output inside when
+    `with_output` (`ops/chunk_fwd_fused_ws.py`, key dims up to 128), compiled for sm90 at one of FUSED_SHAPES."""
     from megatron_muon.ops import state_ws
 
     tensors = {"q_desc": "key", "k_desc": "key", "w_desc": "key", "u_desc": "value", "h_desc": "state",
                "v_desc": "value", "o_desc": "value", "g": "*fp32", "h0": "*fp32", "ht": "*fp32", "scale": "fp32"}
     return _compile_gluon_sm90(state_ws._chunk_state_fwd_ws_kernel, shape, tensors,
                                {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "STORE_STATES": store_states,
-                                "WITH_OUTPUT": True})
+                                "WITH_OUTPUT": with_output}, maxnreg)
 
 
-def backward_gluon(shape: str, local_dv: bool):
+def fused_forward_gluon(shape: str, store_states: bool = False):
+    """The warp-specialized Gluon fused forward (`ops/chunk_fwd_fused_ws.py`) compiled for sm90 at one of
+    FUSED_SHAPES (key dims up to 128)."""
+    return forward_gluon(shape, store_states, True)
+
+
+def backward_gluon(shape: str, local_dv: bool, maxnreg: int | None = None):
     """The warp-specialized Gluon state-gradient kernel (`ops/state_ws.py`) compiled for sm90 at one of
     FUSED_SHAPES, with or without the chunks' own value gradient inside."""
     from megatron_muon.ops import state_ws
@@ -190,7 +197,8 @@ def backward_gluon(shape: str, local_dv: bool):
     tensors = {"q_desc": "key", "k_desc": "key", "w_desc": "key", "dh_desc": "state", "dv2_desc": "value",
                "do": "*bf16", "dv": "*bf16", "g": "*fp32", "dht": "*fp32", "dh0": "*fp32", "scale": "fp32"}
     return _compile_gluon_sm90(state_ws._chunk_state_bwd_ws_kernel, shape, tensors,
-                               {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True, "LOCAL_DV": local_dv})
+                               {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True, "LOCAL_DV": local_dv},
+                               maxnreg)
 
 
 def fused_resources_table() -> None:
@@ -220,6 +228,22 @@ def fused_resources_table() -> None:
                   f"{used['shared'] / 1024:.1f} |")
 
 
+def gluon_register_cap_table(maxnreg: int) -> None:
+    """Registers, stack bytes and shared memory of every Gluon state kernel at both shapes under a `maxnreg` cap:
+    whether two blocks could share an SM (registers and shared memory both halve)."""
+    print(f"| kernel (maxnreg {maxnreg}) | shape | registers | stack bytes | shared KiB |")
+    print("|---|---|---:|---:|---:|")
+    for shape in FUSED_SHAPES:
+        kernels = {"forward, states kept": lambda: forward_gluon(shape, True, False, maxnreg),
+                   "state gradient": lambda: backward_gluon(shape, False, maxnreg),
+                   "state gradient, local dv": lambda: backward_gluon(shape, True, maxnreg)}
+        if FUSED_SHAPES[shape][0] <= 128:  # the Gluon fused forward's rings do not fit at K = 256
+            kernels["fused forward"] = lambda: forward_gluon(shape, False, True, maxnreg)
+        for name, build in kernels.items():
+            used = resources(build())
+            print(f"| {name} | {shape} | {used['registers']} | {used['stack']} | {used['shared'] / 1024:.1f} |")
+
+
 def row(label: str, sass: str) -> str:
     count, opcodes = longest_loop(sass)
     return f"| {label} | {count} | " + " | ".join(str(opcodes[op]) for op in OPS) + " |"
@@ -228,6 +252,9 @@ def row(label: str, sass: str) -> str:
 def main() -> None:
     if "--fused" in sys.argv[1:]:
         fused_resources_table()
+        return
+    if "--gluon-maxnreg" in sys.argv[1:]:
+        gluon_register_cap_table(int(sys.argv[sys.argv.index("--gluon-maxnreg") + 1]))
         return
     print("| kernel (BV / warps / stages) | instructions | " + " | ".join(OPS) + " |")
     print("|---|---:|" + "---:|" * len(OPS))
