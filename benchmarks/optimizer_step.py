@@ -1,13 +1,17 @@
-"""Optimizer step time on the reference shape set (hybrid-1.5B): our Muon vs fused AdamW, torch.optim.Muon and
-megatron-core's TensorParallelMuon, all measured in one run on one GPU.
+"""Optimizer step time on a model's parameter shapes (hybrid-1.5B, or the 7B-class GPT): our Muon vs fused AdamW,
+torch.optim.Muon and megatron-core's TensorParallelMuon, all measured in one run on one GPU.
 
 Setup as Megatron trains in bf16: fp32 master weights with fp32 gradients (random, never zeros). Fused AdamW
-covers all 1.48B parameters; the Muon variants cover the 96 matrices (1.35B), and the "+ AdamW rest" rows add the
-fused AdamW step over embeddings, output layer and norms that a Muon training step also runs.
+covers all parameters; the Muon variants cover the matrices, and the "+ AdamW rest" rows add the fused AdamW step
+over embeddings, output layer and norms that a Muon training step also runs.
 
     python benchmarks/optimizer_step.py --out benchmarks/results/optimizer_step.md
     python benchmarks/optimizer_step.py --scale 32 --repeats 2   # CPU smoke test of the script itself
     python benchmarks/optimizer_step.py --only-ours ...          # skip the slow baselines (quick re-measure)
+    python benchmarks/optimizer_step.py --shapes gpt-7b --only-ours ...   # the 7B-class GPT's matrices instead
+
+The parameters' starting values are kept on the host between variants, so the 7B-class set (6.7B fp32 parameters and
+gradients, fused AdamW's two states) fits one H200.
 """
 
 from __future__ import annotations
@@ -28,24 +32,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_muon.optimizer import Muon, fused_elementwise  # noqa: E402
 
-# (name, rows, cols, fused sections per group or None, count); hidden 2048, 24 layers "GGG*", SwiGLU 5632,
-# 16 heads / 4 KV groups of 128, GDN 6 heads (key 256, value 512).
-REFERENCE = [
-    ("gdn in_proj", 9228, 2048, (1536, 1536, 3072, 3072, 6, 6), 18),
-    ("gdn out_proj", 2048, 3072, None, 18),
-    ("attn qkv", 3072, 2048, (512, 128, 128), 6),
-    ("attn proj", 2048, 2048, None, 6),
-    ("fc1", 11264, 2048, None, 24),
-    ("fc2", 2048, 5632, None, 24),
-]
-VOCAB, HIDDEN, LAYERS = 32000, 2048, 24
-GDN_HEAD_ROWS = (256, 256, 512, 512, 0, 0)  # q, k per key head; v, z per value head; beta, alpha whole
+# (name, rows, cols, fused sections per group or None, count) per shape set, with (vocab, hidden, layers) and the GDN
+# in_proj's rows per head (q, k per key head; v, z per value head; beta, alpha whole).
+# hybrid-1.5b: hidden 2048, 24 layers "GGG*", SwiGLU 5632, 16 heads / 4 KV groups of 128, GDN 6 heads (key 256,
+# value 512). gpt-7b (examples/recipes/gpt-7b-h200.yaml, Llama-2-7B shapes): hidden 4096, 32 layers, SwiGLU 11008,
+# 32 heads of 128 without grouping.
+SHAPE_SETS = {
+    "hybrid-1.5b": dict(matrices=[
+        ("gdn in_proj", 9228, 2048, (1536, 1536, 3072, 3072, 6, 6), 18),
+        ("gdn out_proj", 2048, 3072, None, 18),
+        ("attn qkv", 3072, 2048, (512, 128, 128), 6),
+        ("attn proj", 2048, 2048, None, 6),
+        ("fc1", 11264, 2048, None, 24),
+        ("fc2", 2048, 5632, None, 24),
+    ], vocab=32000, hidden=2048, layers=24, qkv_sections=[512, 128, 128]),
+    "gpt-7b": dict(matrices=[
+        ("attn qkv", 12288, 4096, (128, 128, 128), 32),
+        ("attn proj", 4096, 4096, None, 32),
+        ("fc1", 22016, 4096, None, 32),
+        ("fc2", 4096, 11008, None, 32),
+    ], vocab=32000, hidden=4096, layers=32, qkv_sections=[128, 128, 128]),
+}
+GDN_HEAD_ROWS = (256, 256, 512, 512, 0, 0)
 HEADS = "ours (auto, MegaBatch, heads split)"
 
 
-def reference_params(device, scale: int):
+def reference_params(device, scale: int, shapes: str = "hybrid-1.5b"):
     """Matrices (with megatron's fused-projection tags) and the non-matrix rest, fp32 with random fp32 grads."""
     generator = torch.Generator(device=device).manual_seed(0)
+    shape_set = SHAPE_SETS[shapes]
 
     def param(rows, cols):
         p = torch.nn.Parameter(torch.randn(rows, cols, device=device, generator=generator) * 0.02)
@@ -53,7 +68,7 @@ def reference_params(device, scale: int):
         return p
 
     matrices = []
-    for _, rows, cols, sections, count in REFERENCE:
+    for _, rows, cols, sections, count in shape_set["matrices"]:
         for _ in range(count):
             p = param(rows // scale, cols // scale)
             if sections is not None:
@@ -64,8 +79,9 @@ def reference_params(device, scale: int):
                 if heads is not None and all(h % scale == 0 for h in heads):
                     p.muon_head_rows = tuple(h // scale for h in heads)
             matrices.append(p)
-    rest = [param(VOCAB // scale, HIDDEN // scale), param(VOCAB // scale, HIDDEN // scale)]
-    rest += [param(1, HIDDEN // scale) for _ in range(2 * LAYERS + 1)]
+    vocab, hidden = shape_set["vocab"] // scale, shape_set["hidden"] // scale
+    rest = [param(vocab, hidden), param(vocab, hidden)]
+    rest += [param(1, hidden) for _ in range(2 * shape_set["layers"] + 1)]
     return matrices, rest
 
 
@@ -182,7 +198,7 @@ def host_cost(optimizer, device, warmup: int, repeats: int) -> tuple[float, floa
     return statistics.median(times), float(launches)
 
 
-def make_variants(has_cuda: bool):
+def make_variants(has_cuda: bool, qkv_sections: list[int]):
     """name -> (which params, optimizer factory)."""
     fused = dict(fused=True) if has_cuda else dict(foreach=True)
     variants = {
@@ -211,7 +227,7 @@ def make_variants(has_cuda: bool):
         if HAVE_EMERGING_OPTIMIZERS:
             variants["megatron TensorParallelMuon (split_qkv)"] = ("matrices", lambda ps: TensorParallelMuon(
                 ps, lr=0.02, split_qkv=True, is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
-                qkv_split_shapes=[512, 128, 128], coefficient_type="simple", scale_mode="spectral"))
+                qkv_split_shapes=qkv_sections, coefficient_type="simple", scale_mode="spectral"))
     except Exception as err:  # megatron-core is optional on the benchmark machine
         print(f"megatron-core TensorParallelMuon unavailable: {err!r}")
     return variants
@@ -224,17 +240,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="markdown result file")
     parser.add_argument("--only-ours", action="store_true", help="fused AdamW and our default Muon only")
+    parser.add_argument("--shapes", choices=tuple(SHAPE_SETS), default="hybrid-1.5b", help="the model's matrices")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    matrices, rest = reference_params(device, args.scale)
+    matrices, rest = reference_params(device, args.scale, args.shapes)
     groups = {"all": matrices + rest, "rest": rest, "matrices": matrices}
-    snapshot = [p.detach().clone() for p in matrices + rest]
+    snapshot = [p.detach().to("cpu", copy=True) for p in matrices + rest]
     numel = {k: sum(p.numel() for p in v) for k, v in groups.items()}
     print(f"{len(matrices)} matrices, {numel['matrices'] / 1e9:.3f}B; all params {numel['all'] / 1e9:.3f}B", flush=True)
 
     results = {}
-    variants = make_variants(device.type == "cuda")
+    variants = make_variants(device.type == "cuda", [max(1, s // args.scale) for s in
+                                                     SHAPE_SETS[args.shapes]["qkv_sections"]])
     if args.only_ours:
         keep = ("fused AdamW, all params", "fused AdamW, non-matrix rest", "ours (auto, MegaBatch, fused splits)",
                 "ours (auto, MegaBatch, fused splits, fused elementwise off)",
@@ -294,7 +312,7 @@ def main() -> None:
     import triton
 
     header = [
-        "# Optimizer step on the reference shape set (hybrid-1.5B)",
+        f"# Optimizer step on the {args.shapes} shape set",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- device: {gpu}; torch {torch.__version__}, Triton {triton.__version__}",

@@ -18,3 +18,21 @@ def test_optimizer_step_benchmark_smoke(tmp_path):
     assert "| all stacks, summed |" in text
     assert text.count("| ours (auto, MegaBatch, fused splits, CUDA graph) |") == 2  # step table and host table
     assert "| ours (auto, MegaBatch, heads split) |" in text  # GDN in_proj tagged with its head rows
+
+
+def test_shape_sets_match_their_recipes():
+    """Full-size parameter counts of each shape set equal the model's (hybrid-1.5B 1.478B, Llama-2-7B's 6.738B)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from optimizer_step import SHAPE_SETS
+
+    def count(shape_set):
+        matrices = sum(rows * cols * n for _, rows, cols, _, n in shape_set["matrices"])
+        rest = 2 * shape_set["vocab"] * shape_set["hidden"] + (2 * shape_set["layers"] + 1) * shape_set["hidden"]
+        return matrices, matrices + rest
+
+    assert round(count(SHAPE_SETS["hybrid-1.5b"])[1] / 1e6) == 1478
+    matrices, total = count(SHAPE_SETS["gpt-7b"])
+    assert round(total / 1e6) == 6738 and round(matrices / 1e6) == 6476
+    for shape_set in SHAPE_SETS.values():  # fused QKV rows are whole groups of megatron's sections
+        for name, rows, _, sections, _ in shape_set["matrices"]:
+            assert sections is None or rows % sum(sections) == 0, name
