@@ -209,11 +209,14 @@ def _setup_context(ctx, inputs, output):
     ctx.scale = scale
     ctx.output_final_state = output_final_state
     ctx.mark_non_differentiable(g_cumsum, a_matrix)
+    ctx.set_materialize_grads(False)  # as ops/gdn.py: no zero gradients for the kept tensors
 
 
 def _backward(ctx, do, dht, *_private_grads):
     q, k, v, g, beta, g_cumsum, a_matrix, initial_state, cu_seqlens = ctx.saved_tensors
     dht = dht if ctx.output_final_state else None
+    if do is None:  # only the final state is used
+        do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     dq, dk, dv, dg, dbeta, dh0 = gdn_flashqla_bwd(
         q, k, v, g, beta, g_cumsum, a_matrix, ctx.scale, initial_state, cu_seqlens, do.contiguous(), dht
     )

@@ -82,6 +82,23 @@ def test_without_initial_state_or_final_state():
         assert_ratio(name, a.grad, b.grad, FLA_TOLERANCES[name])
 
 
+def test_gradient_through_the_final_state_only():
+    """The output unused: the op's backward gets no output gradient (none is materialized) and still matches."""
+    torch.manual_seed(5)
+    inputs = gdn_inputs(1, 90, 2, 4, 16, 8, seed=5)
+    dht = torch.randn(inputs[5].shape)
+    grads = []
+    for fn in (chunk_gated_delta_rule, reference.naive_recurrent_gated_delta_rule):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        _, ht = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+        (ht.float() * dht).sum().backward()
+        grads.append([leaf.grad for leaf in leaves])
+    assert grads[1][0] is None  # q reaches the output only
+    assert grads[0][0] is None or not grads[0][0].any()
+    for name, ref_grad, grad in list(zip(GRAD_NAMES, grads[1], grads[0]))[1:]:
+        assert_ratio(name, ref_grad, grad, FLA_TOLERANCES[name])
+
+
 @pytest.mark.parametrize("activation, use_bias, width", [("silu", True, 4), (None, False, 3), ("silu", False, 1)])
 def test_causal_conv1d_matches_reference(activation, use_bias, width):
     torch.manual_seed(5)
