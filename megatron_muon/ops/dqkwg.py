@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_muon.kernels.triton_math import INTERPRETING as _INTERPRETING
+from megatron_muon.ops.group_sum import group_sum
 
 try:
     import triton
@@ -151,10 +152,11 @@ if triton is not None:
     )(_chunk_dqkwg_kernel)
 
 
-def chunk_dqkwg(q, k, v_new, w, g, h, do, dh, dv, scale: float, config=None):
+def chunk_dqkwg(q, k, v_new, w, g, h, do, dh, dv, scale: float, config=None, dk_per_value_head: bool = False):
     """(dq, dk like q, dw like w, dg [B, T, HV] fp32) as FLA's value-first gated `chunk_bwd_dqkwg`; `config` =
     (key block, value block, warps, stages) pins a tile instead of autotuning. With more value heads than query/key
-    heads, dq and dk are written per value head and summed over each group, as FLA does."""
+    heads, dq and dk are written per value head and summed over each group (`group_sum`), as FLA does;
+    `dk_per_value_head` leaves dk unsummed, like w, for a caller that adds another per-value-head part first."""
     batch, seq_len, heads, key_dim = q.shape
     value_heads, value_dim = v_new.shape[2], v_new.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
@@ -174,6 +176,6 @@ def chunk_dqkwg(q, k, v_new, w, g, h, do, dh, dv, scale: float, config=None):
         _chunk_dqkwg_kernel[(key_dim // block_k, chunks, batch * value_heads)](
             *args, **constants, BK=block_k, BV=block_v, STAGES=stages, num_warps=warps)
     if value_heads != heads:
-        groups = value_heads // heads
-        dq, dk = (t.view(batch, seq_len, heads, groups, key_dim).sum(3) for t in (dq, dk))
+        dq = group_sum(dq, heads)
+        dk = dk if dk_per_value_head else group_sum(dk, heads)
     return dq, dk, dw, dg.sum(0)

@@ -17,6 +17,7 @@ import importlib.util
 import torch
 
 from megatron_muon.ops import chunk_fwd_fused, chunk_fwd_fused_ws, dqkwg, state_tma, state_ws
+from megatron_muon.ops.group_sum import group_sum
 from megatron_muon.ops.kernel_choice import gdn_kernels
 
 CHUNK_SIZE = 64
@@ -200,13 +201,13 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
             h, v_new, _ = _forward_states(k, w, u, g_cumsum, h0, False, cu_seqlens, chunk_indices)
         dh, dh0, dv = _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_indices)
         if _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens):
-            dq, dk, dw, dg = dqkwg.chunk_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, scale)
+            dq, dk, dw, dg = dqkwg.chunk_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, scale, dk_per_value_head=True)
         else:
             dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
                                              scale=scale, state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
         dk2, dv, dbeta, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g_cumsum, A=a_inverse, dw=dw, du=dv,
                                                   **common)
-        dk.add_(dk2)
+        dk = group_sum(dk, q.shape[2], addend=dk2) if dk.shape[2] != q.shape[2] else dk.add_(dk2)
         dg.add_(dg2)
         dg = chunk_local_cumsum(dg, chunk_size=CHUNK_SIZE, reverse=True, **common)
     if initial_state is None:

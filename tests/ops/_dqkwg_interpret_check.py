@@ -8,6 +8,7 @@ from tests.interpreter import patch_for_numpy_2_5
 patch_for_numpy_2_5()
 
 from megatron_muon.ops.dqkwg import CHUNK, chunk_dqkwg, qualifies  # noqa: E402
+from megatron_muon.ops.group_sum import group_sum  # noqa: E402
 from megatron_muon.ops.reference import chunk_output_grads_reference  # noqa: E402
 from tests.ops._state_tma_interpret_check import chunk_local_log2_gates, relative  # noqa: E402
 
@@ -44,6 +45,11 @@ def main():
         assert got[3].dtype == torch.float32 and got[0].dtype == dtype
         assert got[0].shape == q.shape and got[2].shape == w.shape and got[3].shape == gates.shape
         print("errors", [f"{e:.1e}" for e in errors])
+        if value_heads != heads:  # dk left per value head sums (group_sum) to the default's dk
+            per_head = chunk_dqkwg(q, k, v_new, w, gates, h, do, dh, dv, scale, dk_per_value_head=True)
+            assert per_head[1].shape == w.shape
+            assert torch.equal(group_sum(per_head[1], heads), got[1])
+            assert all(torch.equal(a, b) for a, b in zip((per_head[0], *per_head[2:]), (got[0], *got[2:])))
     assert not qualifies(q, k, v_new, w, gates, h, do, dh, dv, torch.tensor([0, 64]), CHUNK)
     three = torch.cat([q, q[:, :, :1]], dim=2)  # 3 query/key heads do not divide 4 value heads
     assert not qualifies(three, three, v_new, w, gates, h, do, dh, dv, None, CHUNK)
