@@ -50,11 +50,13 @@ PROFILED = ("ours compiled", "fla eager", "ours chunk op", "ours chunk op (outpu
 PROFILE_STEPS = 3
 
 
-def timed_ms(fn, device: str, warmup: int, reps: int) -> tuple[float, float, float]:
-    """(first call ms, median ms of `reps` synchronized calls, mean ms of `reps` back-to-back calls) after `warmup`.
+def timed_ms(fn, device: str, warmup: int, reps: int) -> tuple[float, float, float, float]:
+    """(first call ms, median ms of `reps` synchronized calls, mean ms of `reps` back-to-back calls, median host ms
+    per call) after `warmup`.
 
     A synchronized call starts on an idle GPU, so host-side launch time shows whenever the CPU falls behind; inside
-    a model the CPU runs ahead of the GPU, which the back-to-back figure (no sync between calls) reproduces.
+    a model the CPU runs ahead of the GPU, which the back-to-back figure (no sync between calls) reproduces. The host
+    time is the CPU's time to issue one synchronized call (the launch queue is empty then, so nothing blocks it).
     """
     start = time.perf_counter()
     fn()
@@ -63,12 +65,14 @@ def timed_ms(fn, device: str, warmup: int, reps: int) -> tuple[float, float, flo
     first = (time.perf_counter() - start) * 1e3
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     for _ in range(reps):
         if device == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
+            issued = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - issued) * 1e3)
             end.record()
             end.synchronize()
             times.append(begin.elapsed_time(end))
@@ -77,14 +81,14 @@ def timed_ms(fn, device: str, warmup: int, reps: int) -> tuple[float, float, flo
             fn()
             times.append((time.perf_counter() - begin_s) * 1e3)
     if device != "cuda":
-        return first, statistics.median(times), statistics.mean(times)
+        return first, statistics.median(times), statistics.mean(times), statistics.median(times)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(reps):
         fn()
     end.record()
     end.synchronize()
-    return first, statistics.median(times), begin.elapsed_time(end) / reps
+    return first, statistics.median(times), begin.elapsed_time(end) / reps, statistics.median(host)
 
 
 def init_megatron(device: str) -> None:
@@ -237,7 +241,7 @@ def run_variant(name, make_step, device, args, compiled=False, profiles=None):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             baseline = torch.cuda.memory_allocated()
-        row["first_ms"], row["ms"], row["stream_ms"] = timed_ms(step, device, args.warmup, args.reps)
+        row["first_ms"], row["ms"], row["stream_ms"], row["host_ms"] = timed_ms(step, device, args.warmup, args.reps)
         if device == "cuda":
             row["peak_mib"] = (torch.cuda.max_memory_allocated() - baseline) / 2**20
         if compiled:
@@ -274,8 +278,8 @@ def write_report(path, rows, meta, args, echo=True):
         f"- our GDN backend: {meta['backend']}", f"- sizes: {meta['sizes']}",
         f"- command: `{meta['command']}`", f"- timing: median of {args.reps} calls after {args.warmup} warm-up calls "
         "(CUDA events, synchronized after each call); 'back-to-back': mean of the same number of calls issued without "
-        "a sync in between (the CPU runs ahead, as inside a model); 'first call' includes compilation, autotuning "
-        "and JIT",
+        "a sync in between (the CPU runs ahead, as inside a model); 'host ms': the CPU's time to issue one call; "
+        "'first call' includes compilation, autotuning and JIT",
         f"- {meta.get('agreement_of', 'ours vs megatron-core output on the same weights')}: rel. error "
         f"{meta.get('agreement', 'n/a')}",
         *([] if args.chunk_op else [
@@ -283,19 +287,20 @@ def write_report(path, rows, meta, args, echo=True):
             f"as shipped has graph breaks: {meta.get('shipped_breaks', 'same layer, see the table')}"]), "",
         "- peak MiB: memory allocated above the inputs and parameters during the timed steps (activations kept "
         "for backward and temporaries)", "",
-        "| variant | fwd+bwd ms | vs faster FLA | back-to-back ms | vs faster FLA | graph breaks | graphs | "
+        "| variant | fwd+bwd ms | vs faster FLA | back-to-back ms | vs faster FLA | host ms | graph breaks | graphs | "
         "first call ms | peak MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | |")
             continue
         ratio = f"{best_fla / r['ms']:.3f}x" if best_fla else "n/a"
         stream_ratio = f"{best_fla_stream / r['stream_ms']:.3f}x" if best_fla_stream else "n/a"
         peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else "-"
         lines.append(f"| {r['name']} | {r['ms']:.2f} | {ratio} | {r['stream_ms']:.2f} | {stream_ratio} | "
-                     f"{r.get('breaks', '-')} | {r.get('graphs', '-')} | {r['first_ms']:.0f} | {peak} |")
+                     f"{r.get('host_ms', float('nan')):.2f} | {r.get('breaks', '-')} | {r.get('graphs', '-')} | "
+                     f"{r['first_ms']:.0f} | {peak} |")
     ours = next((r for r in rows if r["name"] == "ours compiled" and "ms" in r), None)
     if ours and best_fla:
         speedup = best_fla / ours["ms"]

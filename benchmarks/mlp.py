@@ -77,7 +77,7 @@ def run(name, mlp, x, grad, device, args, compiled: bool, profiles: dict | None)
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
         step = fwd_bwd(torch.compile(mlp, backend=args.backend) if compiled else mlp, x, grad)
-        row["first_ms"], row["ms"], row["stream_ms"] = timed_ms(step, device, args.warmup, args.reps)
+        row["first_ms"], row["ms"], row["stream_ms"], _ = timed_ms(step, device, args.warmup, args.reps)
         if compiled:
             row["breaks"], row["graphs"] = compile_stats()
         if profiles is not None and compiled:
