@@ -18,7 +18,7 @@ try:
 except ImportError:  # the torch sequence serves every call
     triton = None
 
-ROWS = 16  # rows of [H·K] per program, each the sum of G value heads' rows
+TILE = 4096  # elements per program and value head: rows of K, each the sum of G value heads' rows
 
 
 def group_sum(x: torch.Tensor, heads: int, addend: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,9 +37,11 @@ def group_sum(x: torch.Tensor, heads: int, addend: torch.Tensor | None = None) -
     rows = batch * seq_len * heads
     if rows == 0:
         return out
-    _group_sum_kernel[(triton.cdiv(rows, ROWS),)](
-        x, out, out if addend is None else addend, rows, G=group, K=key_dim, BK=triton.next_power_of_2(key_dim),
-        ROWS=ROWS, HAS_ADDEND=addend is not None, num_warps=4,
+    block_k = triton.next_power_of_2(key_dim)
+    tile_rows = max(1, TILE // block_k)
+    _group_sum_kernel[(triton.cdiv(rows, tile_rows),)](
+        x, out, out if addend is None else addend, rows, G=group, K=key_dim, BK=block_k, ROWS=tile_rows,
+        HAS_ADDEND=addend is not None, num_warps=4,
     )  # fmt: skip
     return out
 
