@@ -205,9 +205,13 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
         else:
             dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
                                              scale=scale, state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
-        dk2, dv, dbeta, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g_cumsum, A=a_inverse, dw=dw, du=dv,
-                                                  **common)
-        dk = group_sum(dk, q.shape[2], addend=dk2) if dk.shape[2] != q.shape[2] else dk.add_(dk2)
+        if dk.shape[2] != q.shape[2]:  # our dqkwg left dk per value head (GVA): both parts summed in one pass
+            dk2, dv, dbeta, dg2 = _wy_backward_per_value_head(k, v, beta, g_cumsum, a_inverse, dw, dv)
+            dk = group_sum(dk, q.shape[2], dk2)
+        else:
+            dk2, dv, dbeta, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g_cumsum, A=a_inverse, dw=dw, du=dv,
+                                                      **common)
+            dk.add_(dk2)
         dg.add_(dg2)
         dg = chunk_local_cumsum(dg, chunk_size=CHUNK_SIZE, reverse=True, **common)
     if initial_state is None:
@@ -216,6 +220,28 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
         dh0 = _state_layout(dh0).to(initial_state.dtype)
     grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
     return tuple(grad.contiguous() for grad in grads)
+
+
+def _wy_backward_per_value_head(k, v, beta, g_cumsum, a_inverse, dw, du):
+    """FLA's `prepare_wy_repr_bwd` for dense batches with more value heads than key heads, with dk left per value
+    head: FLA's wrapper launches the same kernel and then sums dk over each group with a torch reduction, which the
+    caller's `group_sum` does together with dqkwg's part (gated_delta_rule registers no other backend for it)."""
+    import triton
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd_kernel
+    from fla.utils import check_shared_mem
+
+    batch, seq_len, heads, key_dim = k.shape
+    value_heads, value_dim, chunk = v.shape[2], v.shape[-1], a_inverse.shape[-1]
+    tiling = 64 if check_shared_mem() else 32
+    block_k, block_v = (min(max(triton.next_power_of_2(dim), 16), tiling) for dim in (key_dim, value_dim))
+    dk = k.new_empty(batch, seq_len, value_heads, key_dim)
+    dv, dg, dbeta = torch.empty_like(v), torch.empty_like(g_cumsum), torch.empty_like(beta)
+    prepare_wy_repr_bwd_kernel[(triton.cdiv(seq_len, chunk), batch * value_heads)](
+        k=k, v=v, beta=beta, g=g_cumsum, A=a_inverse, dw=dw, du=du, dk=dk, dv=dv, db=dbeta, dg=dg, cu_seqlens=None,
+        chunk_indices=None, T=seq_len, H=heads, HV=value_heads, K=key_dim, V=value_dim, BT=chunk, BK=block_k,
+        BV=block_v,
+    )  # fmt: skip
+    return dk, dv, dbeta, dg
 
 
 def conv_forward(x, weight, bias, activation, cu_seqlens):
