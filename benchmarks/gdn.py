@@ -194,8 +194,10 @@ def compile_stats():
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
-def kernel_table(step, device: str, steps: int = PROFILE_STEPS) -> list[tuple[str, float, float]]:
-    """(name, calls per step, ms per step) of every GPU kernel (CPU op on the CPU) over `steps` profiled steps."""
+def kernel_table(step, device: str, steps: int = PROFILE_STEPS, host: list | None = None
+                 ) -> list[tuple[str, float, float]]:
+    """(name, calls per step, ms per step) of every GPU kernel (CPU op on the CPU) over `steps` profiled steps; on
+    the GPU, `host` (a list) receives the same rows for the CPU side: each op's and launch call's self CPU time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -205,15 +207,30 @@ def kernel_table(step, device: str, steps: int = PROFILE_STEPS) -> list[tuple[st
             step()
         if device == "cuda":
             torch.cuda.synchronize()
-    totals = defaultdict(lambda: [0, 0.0])
+    totals, cpu = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
     for event in prof.events():
         if device == "cuda" and event.device_type != DeviceType.CUDA:
+            cpu[event.name][0] += 1
+            cpu[event.name][1] += event.self_cpu_time_total
             continue
         micros = event.time_range.elapsed_us() if device == "cuda" else event.self_cpu_time_total
         totals[event.name][0] += 1
         totals[event.name][1] += micros
+    if host is not None and device == "cuda":
+        host += sorted(((name, calls / steps, micros / steps / 1e3) for name, (calls, micros) in cpu.items()),
+                       key=lambda row: -row[2])
     rows = [(name, calls / steps, micros / steps / 1e3) for name, (calls, micros) in totals.items()]
     return sorted(rows, key=lambda row: -row[2])
+
+
+def host_markdown(rows, host_ms: float | None, top: int = 8) -> list[str]:
+    """The CPU side of a profile: the ops and launch calls with the most self CPU time per step."""
+    total = sum(row[2] for row in rows)
+    lines = ["", f"Host side: {total:.2f} ms of self CPU time in profiled ops and launch calls per step"
+             + (f" (issuing one unprofiled call takes {host_ms:.2f} ms; the rest is Python between them)"
+                if host_ms else "") + ":", "", "| CPU op or call | calls/step | CPU ms/step |", "|---|---:|---:|"]
+    lines += [f"| `{op[:100]}` | {calls:g} | {ms:.3f} |" for op, calls, ms in rows[:top]]
+    return lines
 
 
 def profile_markdown(name: str, rows, step_ms: float | None, top: int) -> list[str]:
@@ -247,7 +264,10 @@ def run_variant(name, make_step, device, args, compiled=False, profiles=None):
         if compiled:
             row["breaks"], row["graphs"] = compile_stats()
         if profiles is not None and name in PROFILED:
-            profiles[name] = profile_markdown(name, kernel_table(step, device), row["ms"], args.profile_top)
+            host = []
+            profiles[name] = profile_markdown(name, kernel_table(step, device, host=host), row["ms"], args.profile_top)
+            if host:
+                profiles[name] += host_markdown(host, row.get("host_ms"))
     except Exception as error:  # one broken baseline must not hide the others
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
         traceback.print_exc()
