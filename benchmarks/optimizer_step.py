@@ -290,6 +290,13 @@ def main() -> None:
         for key, ms in parts[setting].items():
             print(f"breakdown, fused elementwise {setting}: {BREAKDOWN_ROWS[key][:40]:40s} {ms:9.2f} ms", flush=True)
 
+    for p, saved in zip(matrices + rest, snapshot):
+        p.data.copy_(saved)
+    optimizer = Muon(matrices, lr=0.02, scale_mode="spectral", split_heads=True)
+    optimizer.step()  # builds the plan
+    head_stacks = ns_per_stack(optimizer, device, args.warmup, args.repeats)
+    del optimizer
+
     adamw = results["fused AdamW, all params"]
     rest_ms = results["fused AdamW, non-matrix rest"]
     rows = [(name, ms, ms / adamw) for name, ms in results.items()]
@@ -307,10 +314,11 @@ def main() -> None:
     table += ["", "Host side of a step (CPU time in `step()` after a synchronize; launches counted by the profiler: "
               "kernels, graph launches, copies):", "", "| optimizer step | CPU ms | launches |", "|---|---:|---:|"]
     table += [f"| {name} | {cpu_ms:.2f} | {launches:.0f} |" for name, (cpu_ms, launches) in host.items()]
-    table += ["", "Newton–Schulz per stack (each batched call of one step timed alone, slowest first):", "",
-              "| stack (count × rows × cols) | method | ms |", "|---|---|---:|"]
-    table += [f"| {shape} | {method} | {ms:.2f} |" for shape, method, ms in stacks]
-    table += [f"| all stacks, summed | | {sum(ms for _, _, ms in stacks):.2f} |"]
+    for title, rows_of in (("", stacks), (f", {HEADS}", head_stacks)):
+        table += ["", f"Newton–Schulz per stack{title} (each batched call of one step timed alone, slowest first):",
+                  "", "| stack (count × rows × cols) | method | ms |", "|---|---|---:|"]
+        table += [f"| {shape} | {method} | {ms:.2f} |" for shape, method, ms in rows_of]
+        table += [f"| all stacks, summed | | {sum(ms for _, _, ms in rows_of):.2f} |"]
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
     import triton
 

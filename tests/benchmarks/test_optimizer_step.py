@@ -15,7 +15,8 @@ def test_optimizer_step_benchmark_smoke(tmp_path):
     assert "| ours (auto, MegaBatch, fused splits) |" in text
     assert "| building the NS stacks" in text and "| Newton–Schulz (batched calls alone) |" in text
     assert "| 24 × 352 × 64 | auto: gram |" in text  # fc1 (11264 × 2048 / 32) as one stack of 24
-    assert "| all stacks, summed |" in text
+    assert text.count("| all stacks, summed |") == 2  # the default's stacks and the per-head variant's
+    assert "Newton–Schulz per stack, ours (auto, MegaBatch, heads split)" in text
     assert text.count("| ours (auto, MegaBatch, fused splits, CUDA graph) |") == 2  # step table and host table
     assert "| ours (auto, MegaBatch, heads split) |" in text  # GDN in_proj tagged with its head rows
     assert "| ours (auto, MegaBatch, fused splits, CUDA graph, polar_express×4) |" in text
