@@ -250,6 +250,12 @@ def main() -> None:
     matrices, rest = reference_params(device, args.scale, args.shapes)
     groups = {"all": matrices + rest, "rest": rest, "matrices": matrices}
     snapshot = [p.detach().to("cpu", copy=True) for p in matrices + rest]
+
+    def restore() -> None:
+        """Every variant starts from the same parameter values."""
+        for p, saved in zip(matrices + rest, snapshot):
+            p.data.copy_(saved)
+
     numel = {k: sum(p.numel() for p in v) for k, v in groups.items()}
     print(f"{len(matrices)} matrices, {numel['matrices'] / 1e9:.3f}B; all params {numel['all'] / 1e9:.3f}B", flush=True)
 
@@ -262,8 +268,7 @@ def main() -> None:
                 "ours (auto, MegaBatch, fused splits, one launch per piece)", GRAPHED, HEADS, FOUR_STEPS)
         variants = {k: v for k, v in variants.items() if k in keep}
     for name, (which, factory) in variants.items():
-        for p, saved in zip(matrices + rest, snapshot):
-            p.data.copy_(saved)
+        restore()
         optimizer = factory(groups[which])
         results[name] = timed(optimizer.step, device, args.warmup, args.repeats)
         print(f"{name:58s} {results[name]:9.2f} ms", flush=True)
@@ -273,15 +278,13 @@ def main() -> None:
 
     host = {}
     for name in ("ours (auto, MegaBatch, fused splits)", GRAPHED):
-        for p, saved in zip(matrices + rest, snapshot):
-            p.data.copy_(saved)
+        restore()
         host[name] = host_cost(variants[name][1](matrices), device, args.warmup + 2, args.repeats)
         print(f"host, {name:52s} {host[name][0]:8.2f} CPU ms {host[name][1]:7.0f} launches", flush=True)
 
     parts = {}
     for setting in ("auto", False):  # "auto": fused elementwise passes where Triton runs (CUDA)
-        for p, saved in zip(matrices + rest, snapshot):
-            p.data.copy_(saved)
+        restore()
         optimizer = Muon(matrices, lr=0.02, scale_mode="spectral", fused_elementwise=setting)
         parts[setting] = breakdown(optimizer, device, args.warmup, args.repeats)
         if setting == "auto":
@@ -290,8 +293,7 @@ def main() -> None:
         for key, ms in parts[setting].items():
             print(f"breakdown, fused elementwise {setting}: {BREAKDOWN_ROWS[key][:40]:40s} {ms:9.2f} ms", flush=True)
 
-    for p, saved in zip(matrices + rest, snapshot):
-        p.data.copy_(saved)
+    restore()
     optimizer = Muon(matrices, lr=0.02, scale_mode="spectral", split_heads=True)
     optimizer.step()  # builds the plan
     head_stacks = ns_per_stack(optimizer, device, args.warmup, args.repeats)

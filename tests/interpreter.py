@@ -29,3 +29,13 @@ def patch_for_numpy_2_5() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patch_with_numpy_2_5_index
+
+
+def below_autotuning(kernel):
+    """The JIT function under a kernel's autotune and heuristics wrappers (the autotuner times configs on a GPU, so
+    under the interpreter a check launches one config itself)."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    while isinstance(kernel, (Autotuner, Heuristics)):
+        kernel = kernel.fn
+    return kernel

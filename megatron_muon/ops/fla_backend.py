@@ -200,12 +200,15 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
             w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a_inverse, g=g_cumsum, **common)
             h, v_new, _ = _forward_states(k, w, u, g_cumsum, h0, False, cu_seqlens, chunk_indices)
         dh, dh0, dv = _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_indices)
-        if _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens):
-            dq, dk, dw, dg = dqkwg.chunk_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, scale, dk_per_value_head=True)
+        ours = _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens)
+        dk_per_value_head = ours and v.shape[2] != q.shape[2]  # GVA: both dk parts summed over groups in one pass
+        if ours:
+            dq, dk, dw, dg = dqkwg.chunk_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, scale,
+                                               dk_per_value_head=dk_per_value_head)
         else:
             dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
                                              scale=scale, state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
-        if dk.shape[2] != q.shape[2]:  # our dqkwg left dk per value head (GVA): both parts summed in one pass
+        if dk_per_value_head:
             dk2, dv, dbeta, dg2 = _wy_backward_per_value_head(k, v, beta, g_cumsum, a_inverse, dw, dv)
             dk = group_sum(dk, q.shape[2], dk2)
         else:

@@ -3,12 +3,11 @@ reference (fp16: the interpreter multiplies bf16 tiles as raw bits)."""
 
 import torch
 
-from tests.interpreter import patch_for_numpy_2_5
+from tests.interpreter import below_autotuning, patch_for_numpy_2_5
 
 patch_for_numpy_2_5()
 
 import fla.ops.common.chunk_o as chunk_o  # noqa: E402
-from triton.runtime.autotuner import Autotuner, Heuristics  # noqa: E402
 
 from megatron_muon.ops.reference import chunk_output_grads_reference  # noqa: E402
 from tests.ops._state_tma_interpret_check import chunk_local_log2_gates, relative  # noqa: E402
@@ -26,9 +25,7 @@ def check(heads: int, value_heads: int, gen):
     g = chunk_local_log2_gates(batch, seq_len, value_heads, gen)
     dq, dk, dw = (torch.empty_like(w) for _ in range(3))  # per value head, as FLA's wrapper allocates them
     dg = torch.empty(1, batch, seq_len, value_heads)
-    kernel = chunk_o.chunk_bwd_kernel_dqkwg
-    while isinstance(kernel, (Autotuner, Heuristics)):  # below FLA's autotune and heuristics wrappers
-        kernel = kernel.fn
+    kernel = below_autotuning(chunk_o.chunk_bwd_kernel_dqkwg)
     kernel[(2, batch * value_heads)](
         q=q, k=k, v=v_new, g=g, g_gamma=None, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=dw, dv=dv, dg=dg,
         cu_seqlens=None, chunk_indices=None, scale=0.125, B=batch, T=seq_len, H=heads, HV=value_heads, K=key_dim,

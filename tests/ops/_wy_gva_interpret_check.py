@@ -4,12 +4,11 @@ once `group_sum` sums dk over each group, the output-gradient part of dk include
 
 import torch
 
-from tests.interpreter import patch_for_numpy_2_5
+from tests.interpreter import below_autotuning, patch_for_numpy_2_5
 
 patch_for_numpy_2_5()
 
 import fla.ops.gated_delta_rule.wy_fast as wy_fast  # noqa: E402
-from triton.runtime.autotuner import Autotuner, Heuristics  # noqa: E402
 
 from megatron_muon.ops import fla_backend  # noqa: E402
 from megatron_muon.ops.group_sum import group_sum  # noqa: E402
@@ -21,9 +20,7 @@ class _OneConfig:
     config, the same keyword launch."""
 
     def __init__(self, kernel):
-        while isinstance(kernel, (Autotuner, Heuristics)):
-            kernel = kernel.fn
-        self.kernel = kernel
+        self.kernel = below_autotuning(kernel)
 
     def __getitem__(self, grid):
         def launch(**kwargs):
