@@ -56,6 +56,8 @@ SHAPE_SETS = {
 GDN_HEAD_ROWS = (256, 256, 512, 512, 0, 0)
 HEADS = "ours (auto, MegaBatch, heads split)"
 FOUR_STEPS = "ours (auto, MegaBatch, fused splits, CUDA graph, polar_express×4)"
+HEADS_GRAPHED = "ours (auto, MegaBatch, heads split, CUDA graph)"
+HEADS_FOUR_STEPS = "ours (auto, MegaBatch, heads split, CUDA graph, polar_express×4)"
 
 
 def reference_params(device, scale: int, shapes: str = "hybrid-1.5b"):
@@ -223,6 +225,10 @@ def make_variants(has_cuda: bool, qkv_sections: list[int]):
         HEADS: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", split_heads=True)),
         FOUR_STEPS: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", ns_steps=4,
                                                  coefficients="polar_express", graph_newton_schulz=True)),
+        HEADS_GRAPHED: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", split_heads=True,
+                                                    graph_newton_schulz=True)),
+        HEADS_FOUR_STEPS: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", split_heads=True, ns_steps=4,
+                                                       coefficients="polar_express", graph_newton_schulz=True)),
     }
     try:
         from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS, TensorParallelMuon
@@ -265,7 +271,8 @@ def main() -> None:
     if args.only_ours:
         keep = ("fused AdamW, all params", "fused AdamW, non-matrix rest", "ours (auto, MegaBatch, fused splits)",
                 "ours (auto, MegaBatch, fused splits, fused elementwise off)",
-                "ours (auto, MegaBatch, fused splits, one launch per piece)", GRAPHED, HEADS, FOUR_STEPS)
+                "ours (auto, MegaBatch, fused splits, one launch per piece)", GRAPHED, HEADS, FOUR_STEPS, HEADS_GRAPHED,
+                HEADS_FOUR_STEPS)
         variants = {k: v for k, v in variants.items() if k in keep}
     for name, (which, factory) in variants.items():
         restore()

@@ -20,6 +20,7 @@ def test_optimizer_step_benchmark_smoke(tmp_path):
     assert text.count("| ours (auto, MegaBatch, fused splits, CUDA graph) |") == 2  # step table and host table
     assert "| ours (auto, MegaBatch, heads split) |" in text  # GDN in_proj tagged with its head rows
     assert "| ours (auto, MegaBatch, fused splits, CUDA graph, polar_express×4) |" in text
+    assert "| ours (auto, MegaBatch, heads split, CUDA graph, polar_express×4) |" in text
 
 
 def test_shape_sets_match_their_recipes():
