@@ -233,6 +233,32 @@ def host_markdown(rows, host_ms: float | None, top: int = 8) -> list[str]:
     return lines
 
 
+def python_table(step, device: str, steps: int = PROFILE_STEPS, top: int = 12) -> list[str]:
+    """The Python functions with the most self time per step (cProfile over `steps` steps issued back to back):
+    where a host-bound call spends the time the torch profiler books as an op's self CPU time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, primitive calls, self s, total s, ...)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    total = sum(entry[2] for entry in stats.values()) / steps * 1e3
+    lines = ["", f"Python side: {total:.2f} ms of self time per step under cProfile (which slows Python itself; "
+                 "read the shares):", "", "| function | calls/step | self ms/step | cumulative ms/step |",
+             "|---|---:|---:|---:|"]
+    for (path, line, function), (_, calls, self_s, cumulative_s, _) in rows:
+        where = function if path == "~" else f"{'/'.join(Path(path).parts[-2:])}:{line} {function}"
+        lines.append(f"| `{where[:100]}` | {calls / steps:g} | {self_s / steps * 1e3:.3f} | "
+                     f"{cumulative_s / steps * 1e3:.3f} |")
+    return lines
+
+
 def profile_markdown(name: str, rows, step_ms: float | None, top: int) -> list[str]:
     total = sum(row[2] for row in rows)
     lines = ["", f"### Where the time goes: {name} (top {top} of {len(rows)} kernels, per fwd+bwd step, "
@@ -268,6 +294,7 @@ def run_variant(name, make_step, device, args, compiled=False, profiles=None):
             profiles[name] = profile_markdown(name, kernel_table(step, device, host=host), row["ms"], args.profile_top)
             if host:
                 profiles[name] += host_markdown(host, row.get("host_ms"))
+            profiles[name] += python_table(step, device)
     except Exception as error:  # one broken baseline must not hide the others
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
         traceback.print_exc()
