@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import emit_markdown, package_versions  # noqa: E402
-from gdn import compile_stats, init_megatron, kernel_table, profile_markdown, timed_ms  # noqa: E402
+from gdn import compile_stats, init_megatron, timed_ms  # noqa: E402
+from kernel_profile import kernel_table, profile_markdown  # noqa: E402
 
 REFERENCE = dict(hidden=2048, ffn=5632)
 TINY = dict(hidden=64, ffn=101)

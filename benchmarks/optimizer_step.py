@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bench_env import emit_markdown  # benchmarks/ is the script's directory
+from kernel_profile import kernel_table, profile_markdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,9 +56,11 @@ SHAPE_SETS = {
 }
 GDN_HEAD_ROWS = (256, 256, 512, 512, 0, 0)
 HEADS = "ours (auto, MegaBatch, heads split)"
+GRAPHED = "ours (auto, MegaBatch, fused splits, CUDA graph)"
 FOUR_STEPS = "ours (auto, MegaBatch, fused splits, CUDA graph, polar_express×4)"
 HEADS_GRAPHED = "ours (auto, MegaBatch, heads split, CUDA graph)"
 HEADS_FOUR_STEPS = "ours (auto, MegaBatch, heads split, CUDA graph, polar_express×4)"
+PROFILED = (GRAPHED, FOUR_STEPS, HEADS_FOUR_STEPS)  # the CUDA-graph rows: kernel time without host gaps
 
 
 def reference_params(device, scale: int, shapes: str = "hybrid-1.5b"):
@@ -173,7 +176,6 @@ class _PerPieceMuon(Muon):
             fused_pieces.momentum_into_slots_, fused_pieces.decay_and_update_pieces_ = saved
 
 
-GRAPHED = "ours (auto, MegaBatch, fused splits, CUDA graph)"
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
                  "cudaMemcpyAsync", "cudaMemsetAsync")
 
@@ -250,6 +252,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="markdown result file")
     parser.add_argument("--only-ours", action="store_true", help="fused AdamW and our default Muon only")
     parser.add_argument("--shapes", choices=tuple(SHAPE_SETS), default="hybrid-1.5b", help="the model's matrices")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"add kernel tables of the steps {', '.join(PROFILED)} (where timed) to the report")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -282,6 +286,17 @@ def main() -> None:
         del optimizer
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    profiles = []
+    for name in PROFILED if args.profile else ():
+        if name in results:
+            restore()
+            optimizer = variants[name][1](groups[variants[name][0]])
+            for _ in range(args.warmup + 1):  # the graphed variants capture on a later step
+                optimizer.step()
+            rows = kernel_table(optimizer.step, device.type)
+            profiles += profile_markdown(name, rows, results[name], top=15, unit="optimizer step")
+            del optimizer
 
     host = {}
     for name in ("ours (auto, MegaBatch, fused splits)", GRAPHED):
@@ -328,6 +343,7 @@ def main() -> None:
                   "", "| stack (count × rows × cols) | method | ms |", "|---|---|---:|"]
         table += [f"| {shape} | {method} | {ms:.2f} |" for shape, method, ms in rows_of]
         table += [f"| all stacks, summed | | {sum(ms for _, _, ms in rows_of):.2f} |"]
+    table += profiles
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
     import triton
 

@@ -1,4 +1,5 @@
-"""The optimizer-step benchmark runs end to end on CPU at a reduced scale, breakdown and per-stack NS included."""
+"""The optimizer-step benchmark runs end to end on CPU at a reduced scale, breakdown, per-stack NS and the
+profiles included."""
 
 import subprocess
 import sys
@@ -10,7 +11,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 def test_optimizer_step_benchmark_smoke(tmp_path):
     out = tmp_path / "optimizer_step.md"
     subprocess.run([sys.executable, str(BENCHMARKS / "optimizer_step.py"), "--scale", "32", "--warmup", "0",
-                    "--repeats", "1", "--only-ours", "--out", str(out)], check=True, cwd=BENCHMARKS.parent, timeout=300)
+                    "--repeats", "1", "--only-ours", "--profile", "--out", str(out)], check=True, cwd=BENCHMARKS.parent, timeout=300)
     text = out.read_text()
     assert "| ours (auto, MegaBatch, fused splits) |" in text
     assert "| building the NS stacks" in text and "| Newton–Schulz (batched calls alone) |" in text
@@ -21,6 +22,9 @@ def test_optimizer_step_benchmark_smoke(tmp_path):
     assert "| ours (auto, MegaBatch, heads split) |" in text  # GDN in_proj tagged with its head rows
     assert "| ours (auto, MegaBatch, fused splits, CUDA graph, polar_express×4) |" in text
     assert "| ours (auto, MegaBatch, heads split, CUDA graph, polar_express×4) |" in text
+    for name in ("fused splits, CUDA graph", "fused splits, CUDA graph, polar_express×4",
+                 "heads split, CUDA graph, polar_express×4"):  # each graphed row's kernel table
+        assert f"### Where the time goes: ours (auto, MegaBatch, {name}) (top 15 of" in text
 
 
 def test_shape_sets_match_their_recipes():
