@@ -210,8 +210,8 @@ def run_variant(name, make_step, device, args, compiled=False, profiles=None):
         if compiled:
             row["breaks"], row["graphs"] = compile_stats()
         if profiles is not None and name in PROFILED:
-            host = []
-            profiles[name] = profile_markdown(name, kernel_table(step, device, host=host), row["ms"], args.profile_top)
+            kernels, host = kernel_table(step, device)
+            profiles[name] = profile_markdown(name, kernels, row["ms"], args.profile_top)
             if host:
                 profiles[name] += host_markdown(host, row.get("host_ms"))
             profiles[name] += python_table(step, device)

@@ -11,10 +11,10 @@ import torch
 PROFILE_STEPS = 3
 
 
-def kernel_table(step, device: str, steps: int = PROFILE_STEPS, host: list | None = None
-                 ) -> list[tuple[str, float, float]]:
-    """(name, calls per step, ms per step) of every GPU kernel (CPU op on the CPU) over `steps` profiled steps; on
-    the GPU, `host` (a list) receives the same rows for the CPU side: each op's and launch call's self CPU time."""
+def kernel_table(step, device: str, steps: int = PROFILE_STEPS) -> tuple[list, list]:
+    """(kernels, host): rows of (name, calls per step, ms per step), slowest first, over `steps` profiled steps.
+    Kernels: every GPU kernel (CPU op on the CPU); host (GPU only, else empty): each op's and launch call's self CPU
+    time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -33,11 +33,12 @@ def kernel_table(step, device: str, steps: int = PROFILE_STEPS, host: list | Non
         micros = event.time_range.elapsed_us() if device == "cuda" else event.self_cpu_time_total
         totals[event.name][0] += 1
         totals[event.name][1] += micros
-    if host is not None and device == "cuda":
-        host += sorted(((name, calls / steps, micros / steps / 1e3) for name, (calls, micros) in cpu.items()),
-                       key=lambda row: -row[2])
-    rows = [(name, calls / steps, micros / steps / 1e3) for name, (calls, micros) in totals.items()]
-    return sorted(rows, key=lambda row: -row[2])
+
+    def per_step(table):
+        rows = [(name, calls / steps, micros / steps / 1e3) for name, (calls, micros) in table.items()]
+        return sorted(rows, key=lambda row: -row[2])
+
+    return per_step(totals), per_step(cpu)
 
 
 def host_markdown(rows, host_ms: float | None, top: int = 8) -> list[str]:

@@ -82,7 +82,7 @@ def run(name, mlp, x, grad, device, args, compiled: bool, profiles: dict | None)
         if compiled:
             row["breaks"], row["graphs"] = compile_stats()
         if profiles is not None and compiled:
-            profiles[row["name"]] = profile_markdown(row["name"], kernel_table(step, device), row["ms"],
+            profiles[row["name"]] = profile_markdown(row["name"], kernel_table(step, device)[0], row["ms"],
                                                      args.profile_top)
     except Exception as error:  # one broken variant must not hide the others
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]

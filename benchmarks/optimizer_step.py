@@ -294,7 +294,7 @@ def main() -> None:
             optimizer = variants[name][1](groups[variants[name][0]])
             for _ in range(args.warmup + 1):  # the graphed variants capture on a later step
                 optimizer.step()
-            rows = kernel_table(optimizer.step, device.type)
+            rows, _ = kernel_table(optimizer.step, device.type)
             profiles += profile_markdown(name, rows, results[name], top=15, unit="optimizer step")
             del optimizer
 
