@@ -111,6 +111,15 @@ def free_memory() -> None:
         torch.cuda.reset_accumulated_memory_stats()
 
 
+def memory_outside_allocator_gib() -> float | None:
+    """GiB the device holds beyond PyTorch's caching allocator (CUDA context, loaded kernels, libraries' own buffers
+    such as NCCL's): what a recipe's peak must leave free. Device-wide, so meaningful with one process per GPU."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 2**30
+
+
 def git_revision() -> str:
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True,

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import free_memory, git_revision, package_versions  # noqa: E402
+from bench_env import free_memory, git_revision, memory_outside_allocator_gib, package_versions  # noqa: E402
 from e2e_report import write_profile, write_report  # noqa: E402
 from e2e_rungs import Rung, build_upstream_model, build_upstream_te_model, parse_rungs  # noqa: E402
 
@@ -198,6 +198,8 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
         traceback.print_exc()
     finally:
         _restore_attention_environment(attention_environment)
+        if on_gpu:  # an out-of-memory rung says how much of the card was not PyTorch's to give
+            row["outside_allocator_gib"] = memory_outside_allocator_gib()
     row["wall_s"] = time.perf_counter() - start
     row["measured"] = _measured(args)
     del model, optimizer

@@ -87,6 +87,11 @@ def write_report(md_path: Path, json_path: Path, rows: dict, meta: dict) -> None
                if row.get("grad_norms")]
     if clipped:
         lines += ["", "Timed steps whose grad norm exceeded clip_grad (clipped): " + ", ".join(clipped)]
+    outside = [f"rung {row['rung']} {row['outside_allocator_gib']:.1f}" for row in rows.values()
+               if row.get("outside_allocator_gib") is not None]
+    if outside:
+        lines += ["", "GiB of device memory in use outside PyTorch's allocator at the end of each rung (CUDA "
+                      "context, kernels, libraries' buffers): " + ", ".join(outside)]
     if "4" in rows and "6" in rows and "step_ms" in rows["4"] and "step_ms" in rows["6"]:
         lines += ["", f"Our Muon step vs the AdamW step on our spec (rung 6 / rung 4): "
                       f"{rows['6']['step_ms'] / rows['4']['step_ms']:.3f}x"]

@@ -101,6 +101,23 @@ def test_cpu_ladder_compiled_equals_eager_over_20_steps(tmp_path):
     assert "rung 4e " in text.split("exceeded clip_grad (clipped): ")[1]
 
 
+def test_report_states_memory_outside_the_allocator_for_failed_rungs_too(tmp_path):
+    """A rung that ran out of memory keeps the one number that says how much of the card PyTorch could not use."""
+    from e2e_report import write_report
+
+    ran = {"rung": "4e", "label": "eager", "step_ms": 10.0, "fwd_bwd_ms": 9.0, "optimizer_ms": 1.0,
+           "optimizer_share": 0.1, "tokens_per_s": 1e5, "losses": [2.0, 1.0], "grad_norms": [3.0, 0.5],
+           "clip_grad": 1.0, "outside_allocator_gib": 1.25}
+    failed = {"rung": "4", "label": "compiled", "error": "OutOfMemoryError: CUDA out of memory",
+              "outside_allocator_gib": 7.04}
+    out = tmp_path / "e2e.md"
+    meta = {"date": "2026-12-05", "device": "GPU", "recipe": "tiny-cpu", "overrides": [], "steps": 2, "warmup": 1,
+            "command": "python benchmarks/e2e.py"}
+    write_report(out, out.with_suffix(".json"), {"4e": ran, "4": failed}, meta)
+    line = next(line for line in out.read_text().splitlines() if "outside PyTorch's allocator" in line)
+    assert line.endswith("rung 4e 1.2, rung 4 7.0")
+
+
 def test_profile_categories_sum_to_all_kernels():
     from e2e_report import category_table, kernel_category
 
