@@ -11,7 +11,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 def test_optimizer_step_benchmark_smoke(tmp_path):
     out = tmp_path / "optimizer_step.md"
     subprocess.run([sys.executable, str(BENCHMARKS / "optimizer_step.py"), "--scale", "32", "--warmup", "0",
-                    "--repeats", "1", "--only-ours", "--profile", "--out", str(out)], check=True, cwd=BENCHMARKS.parent, timeout=300)
+                    "--repeats", "1", "--only-ours", "--profile", "--out", str(out)],
+                   check=True, cwd=BENCHMARKS.parent, timeout=300)
     text = out.read_text()
     assert "| ours (auto, MegaBatch, fused splits) |" in text
     assert "| building the NS stacks" in text and "| Newton–Schulz (batched calls alone) |" in text
