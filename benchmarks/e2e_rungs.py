@@ -26,6 +26,8 @@ Gluon ones (`megatron_muon.ops.state_ws`; the gain of those, measured in the sam
 `4u` is rung 4 with GDN's intra-chunk output terms inside the state recurrences (`model.gdn_kernels: fused`: the
 fused forward and the state gradients computing the local value gradient), `4b` with the backward's term only (the
 gain of each, measured in the same run).
+`4g` is rung 4 with GDN's chunk-parallel backward in one kernel (`ops/chunk_bwd_fused.py`: the output gradients, the
+WY backward and the gate gradient's reverse cumsum; the gain of it, measured in the same run).
 `4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
 `megatron_muon.megatron.main_grad_add.install_first_grad_overwrite`, measured in the same run).
 `4a` is rung 4 with megatron's clip multiply, torch's fused AdamW and megatron's master-to-model copy as three
@@ -101,6 +103,9 @@ RUNGS = {
     "4b": Rung("4b", "rung 4 with the backward's local dv inside the state kernels", "ours", "cudnn", True, "adam",
                True, main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
                gdn_kernels=GdnKernels("gluon", "ours", "backward")),
+    "4g": Rung("4g", "rung 4 with GDN's chunk-parallel backward in one kernel", "ours", "cudnn", True, "adam", True,
+               main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
+               gdn_kernels=GdnKernels(output_grads="fused")),
     "4z": Rung("4z", "rung 4 with DDP's buffers zeroed every step", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True),
     "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,

@@ -28,10 +28,13 @@ from megatron_muon.ops.kernel_choice import GdnKernels, set_gdn_kernels
 from megatron_muon.ops.gdn_flashqla import qualifies
 
 REFERENCE_VARIANT = "FlashQLA chunk op (direct)"
-# (variant suffix, kernels per stage) beside the default ("gluon" states, "ours" output gradients)
+# (variant suffix, kernels per stage) beside the default ("gluon" states, "ours" output gradients); each changes one
+# stage of the default or of the "fused" preset
 STAGE_VARIANTS = [("states: fla", GdnKernels("fla", "ours")), ("states: triton", GdnKernels("triton", "ours")),
                   ("output grads: fla", GdnKernels("gluon", "fla")),
+                  ("output grads: fused", GdnKernels(output_grads="fused")),
                   ("output terms: fused", GdnKernels(output_terms="fused")),
+                  ("output terms and grads: fused", GdnKernels(output_terms="fused", output_grads="fused")),
                   ("output terms: backward only", GdnKernels(output_terms="backward")),
                   ("all stages: fla", GdnKernels("fla", "fla"))]
 

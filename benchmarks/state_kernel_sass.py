@@ -7,6 +7,7 @@ waits on (block barriers, TMA waits, shared-memory round trips) matters more tha
     python benchmarks/state_kernel_sass.py          # FLA's row needs flash-linear-attention importable
     python benchmarks/state_kernel_sass.py --fused  # registers, spills, shared memory of the fused kernels' tiles
     python benchmarks/state_kernel_sass.py --gluon-maxnreg 168  # the Gluon kernels under a register cap
+    python benchmarks/state_kernel_sass.py --fused-backward  # every tile of the one-kernel chunk-parallel backward
 """
 
 from __future__ import annotations
@@ -228,6 +229,33 @@ def fused_resources_table() -> None:
                   f"{used['shared'] / 1024:.1f} |")
 
 
+def fused_backward(shape: str, block_k: int, block_v: int, warps: int, stages: int):
+    """The one-kernel chunk-parallel backward (`ops/chunk_bwd_fused.py`) compiled for sm90 at one of FUSED_SHAPES."""
+    from megatron_muon.ops import chunk_bwd_fused
+
+    key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
+    names = ("q", "k", "v", "v_new", "beta", "g", "A", "h", "do", "dh", "du", "dq", "dk", "dv", "dbeta", "dg")
+    signature = dict.fromkeys(names, "*bf16") | dict.fromkeys(("beta", "g", "dbeta", "dg"), "*fp32")
+    signature |= {"scale": "fp32", "T": "i32", "NT": "i32"}
+    constants = dict(H=heads // group, HV=heads, K=key_dim, V=value_dim, BT=64, BK=block_k, BV=block_v,
+                     STAGES=stages)
+    return compile_sm90(chunk_bwd_fused._chunk_bwd_fused_kernel, signature | dict.fromkeys(constants, "constexpr"),
+                        constants, warps)
+
+
+def fused_backward_table() -> None:
+    """Registers, spills and shared memory of every tile of the one-kernel chunk-parallel backward at both shapes."""
+    from megatron_muon.ops.chunk_bwd_fused import CONFIGS
+
+    print("| shape | BK / BV / warps / stages | registers | stack bytes (spills) | shared KiB |")
+    print("|---|---|---:|---:|---:|")
+    for shape in FUSED_SHAPES:
+        for config in CONFIGS:
+            used = resources(fused_backward(shape, *config))
+            print(f"| {shape} | {'/'.join(map(str, config))} | {used['registers']} | {used['stack']} | "
+                  f"{used['shared'] / 1024:.1f} |")
+
+
 def gluon_register_cap_table(maxnreg: int) -> None:
     """Registers, stack bytes and shared memory of every Gluon state kernel at both shapes under a `maxnreg` cap:
     whether two blocks could share an SM (registers and shared memory both halve)."""
@@ -252,6 +280,9 @@ def row(label: str, sass: str) -> str:
 def main() -> None:
     if "--fused" in sys.argv[1:]:
         fused_resources_table()
+        return
+    if "--fused-backward" in sys.argv[1:]:
+        fused_backward_table()
         return
     if "--gluon-maxnreg" in sys.argv[1:]:
         gluon_register_cap_table(int(sys.argv[sys.argv.index("--gluon-maxnreg") + 1]))

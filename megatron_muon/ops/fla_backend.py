@@ -16,7 +16,7 @@ import importlib.util
 
 import torch
 
-from megatron_muon.ops import chunk_fwd_fused, chunk_fwd_fused_ws, dqkwg, state_tma, state_ws
+from megatron_muon.ops import chunk_bwd_fused, chunk_fwd_fused, chunk_fwd_fused_ws, dqkwg, state_tma, state_ws
 from megatron_muon.ops.group_sum import group_sum
 from megatron_muon.ops.kernel_choice import gdn_kernels
 
@@ -200,6 +200,10 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
             w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a_inverse, g=g_cumsum, **common)
             h, v_new, _ = _forward_states(k, w, u, g_cumsum, h0, False, cu_seqlens, chunk_indices)
         dh, dh0, dv = _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_indices)
+        if _on_fused_backward(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do, dh, dv, cu_seqlens):
+            dq, dk, dv, dbeta, dg = chunk_bwd_fused.chunk_bwd_fused(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do,
+                                                                    dh, dv, scale)
+            return _backward_outputs(q, k, v, g, beta, initial_state, dq, dk, dv, dg, dbeta, dh0)
         ours = _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens)
         dk_per_value_head = ours and v.shape[2] != q.shape[2]  # GVA: both dk parts summed over groups in one pass
         if ours:
@@ -217,6 +221,17 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
             dk.add_(dk2)
         dg.add_(dg2)
         dg = chunk_local_cumsum(dg, chunk_size=CHUNK_SIZE, reverse=True, **common)
+    return _backward_outputs(q, k, v, g, beta, initial_state, dq, dk, dv, dg, dbeta, dh0)
+
+
+def _on_fused_backward(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do, dh, du, cu_seqlens) -> bool:
+    """Whether the chunk-parallel rest of the backward runs as our one kernel for these inputs."""
+    return STATE_V_FIRST and gdn_kernels().output_grads == "fused" and chunk_bwd_fused.qualifies(
+        q, k, v, v_new, beta, g_cumsum, a_inverse, h, do, dh, du, cu_seqlens, CHUNK_SIZE)
+
+
+def _backward_outputs(q, k, v, g, beta, initial_state, dq, dk, dv, dg, dbeta, dh0):
+    """(dq, dk, dv, dg, dbeta, dh0) in the inputs' dtypes and layouts; dh0 empty without an initial state."""
     if initial_state is None:
         dh0 = torch.empty(0, dtype=q.dtype, device=q.device)
     else:

@@ -3,7 +3,9 @@
 Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``states``: the chunk-state recurrences (forward h, backward dh): "gluon" (the warp-specialized kernels where they
   apply, our Triton ones elsewhere), "triton" (our Triton kernels) or "fla".
-- ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours" or "fla".
+- ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours", "fla", or "fused" (ours with FLA's WY
+  backward and the gate gradient's reverse cumulative sum in the same kernel, `ops/chunk_bwd_fused.py`: dw never
+  leaves registers).
 - ``output_terms``: the intra-chunk terms beside the state recurrences, the forward's output and the backward's
   local value gradient: "fla" (FLA's `chunk_fwd_o` and `chunk_bwd_dv_local`, around the recurrences of ``states``)
   or "fused" (computed inside our recurrences, in Gluon where ``states`` is "gluon" and the kernel applies, else in
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
 STATE_KERNELS = ("gluon", "triton", "fla")
-OUTPUT_GRAD_KERNELS = ("ours", "fla")
+OUTPUT_GRAD_KERNELS = ("ours", "fused", "fla")
 OUTPUT_TERM_KERNELS = ("fla", "fused", "backward")
 
 

@@ -177,9 +177,27 @@ def chunk_wy_reference(k, v, g, beta, chunk: int = 64):
     w = A·(β·2^g ⊙ k), u = A·(β ⊙ v) and A = (I + strictly-lower(β_i·k_i·k_j·2^(g_i − g_j)))⁻¹ per chunk; g is the
     chunk-local cumulative log2 gate [B, T, HV]; with HV > H value head h reads key head h // (HV // H)."""
     dtype = torch.promote_types(k.dtype, torch.float32)
+    inverses = chunk_wy_inverse_reference(k, g, beta, chunk, value_heads=v.shape[2])
     k = k.to(dtype).repeat_interleave(v.shape[2] // k.shape[2], dim=2)
     v, g, beta = (t.to(dtype) for t in (v, g, beta))
     w, u = torch.empty_like(k), torch.empty_like(v)
+    for start in range(0, k.shape[1], chunk):
+        rows = slice(start, start + chunk)
+        inverse = inverses[:, rows, :, : k[:, rows].shape[1]]  # [B, i, HV, j]
+        gated_k = k[:, rows] * (beta[:, rows] * torch.exp2(g[:, rows]))[..., None]
+        w[:, rows] = torch.einsum("bihj,bjhk->bihk", inverse, gated_k)
+        u[:, rows] = torch.einsum("bihj,bjhv->bihv", inverse, v[:, rows] * beta[:, rows][..., None])
+    return w, u
+
+
+def chunk_wy_inverse_reference(k, g, beta, chunk: int = 64, value_heads: int | None = None):
+    """FLA's per-chunk inverse A = (I + strictly-lower(β_i·k_i·k_j·2^(g_i − g_j)))⁻¹ in fp32 (fp64), stored as FLA
+    keeps it: [B, T, HV, chunk], token i's row of its chunk's inverse (zeros past a partial last chunk's end)."""
+    dtype = torch.promote_types(k.dtype, torch.float32)
+    value_heads = value_heads or g.shape[2]
+    k = k.to(dtype).repeat_interleave(value_heads // k.shape[2], dim=2)
+    g, beta = g.to(dtype), beta.to(dtype)
+    inverses = k.new_zeros(*k.shape[:3], chunk)
     for start in range(0, k.shape[1], chunk):
         rows = slice(start, start + chunk)
         k_c, g_c, beta_c = k[:, rows], g[:, rows], beta[:, rows]
@@ -188,9 +206,20 @@ def chunk_wy_reference(k, v, g, beta, chunk: int = 64):
         gaps = torch.where(lower, g_c[:, :, None] - g_c[:, None, :], 0)
         a_kk = torch.einsum("bihk,bjhk->bijh", k_c, k_c) * torch.exp2(gaps) * beta_c[:, :, None] * lower
         inverse = torch.linalg.inv(torch.eye(length, dtype=dtype) + a_kk.permute(0, 3, 1, 2))  # [B, HV, i, j]
-        w[:, rows] = torch.einsum("bhij,bjhk->bihk", inverse, k_c * (beta_c * torch.exp2(g_c))[..., None])
-        u[:, rows] = torch.einsum("bhij,bjhv->bihv", inverse, v[:, rows] * beta_c[..., None])
-    return w, u
+        inverses[:, rows, :, :length] = inverse.permute(0, 2, 1, 3)
+    return inverses
+
+
+def chunk_wy_backward_reference(k, v, g, beta, dw, du, chunk: int = 64):
+    """FLA's `prepare_wy_repr_bwd` in fp32 (fp64), as the vector-Jacobian product of `chunk_wy_reference` (through
+    the inverse): (dk [B, T, H, K], dv, dβ, dg [B, T, HV]); dg in natural-log units, as FLA's kernel returns it."""
+    dtype = torch.promote_types(k.dtype, torch.float32)
+    inputs = [t.detach().to(dtype).requires_grad_() for t in (k, v, g, beta)]
+    with torch.enable_grad():
+        w, u = chunk_wy_reference(*inputs, chunk=chunk)
+        total = (w * dw.to(dtype)).sum() + (u * du.to(dtype)).sum()
+        dk, dv, dg, dbeta = torch.autograd.grad(total, inputs)
+    return dk, dv, dbeta, dg / math.log(2)
 
 
 def chunk_output_reference(q, k, v_new, h, g, scale: float, chunk: int = 64):
