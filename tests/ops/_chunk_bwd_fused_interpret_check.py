@@ -37,12 +37,12 @@ def expected(q, k, v, v_new, beta, g, h, do, dh, du, scale):
 def main():
     gen = torch.Generator().manual_seed(3)
     # fp16 only: Triton 3.6's interpreter multiplies bf16 tiles as raw bits in tl.dot (the GPU tests cover bf16).
-    # 150 tokens: two full chunks and a partial one; key dims 64 and 128: one and two key blocks; value dims 64 and
-    # 128: two and four value blocks of 32. The third case's decay is strong (a padding row's gate gap would
-    # overflow exp2); the last is GVA (two value heads per query/key head, Qwen3-Next's grouping).
+    # 150 and 100 tokens: full chunks and a partial one; key dims 64, 128 and 256: one, two and four key blocks;
+    # value dims 64 and 128: two and four value blocks of 32. The third case's decay is strong (a padding row's gate
+    # gap would overflow exp2); the fourth is GVA (two value heads per query/key head, Qwen3-Next's grouping).
     dtype = torch.float16
     cases = [(2, 150, 2, 2, 64, 64, 1.0), (1, 128, 1, 1, 128, 128, 1.0), (1, 150, 2, 2, 64, 64, 40.0),
-             (1, 150, 2, 4, 64, 64, 1.0)]
+             (1, 150, 2, 4, 64, 64, 1.0), (1, 100, 1, 1, 256, 64, 1.0)]
     for batch, seq_len, heads, value_heads, key_dim, value_dim, decay in cases:
         def rows(dim, s=1.0, n=value_heads):
             return (torch.randn(batch, seq_len, n, dim, generator=gen) * s).to(dtype)
