@@ -234,7 +234,8 @@ def fused_backward(shape: str, block_k: int, block_v: int, warps: int, stages: i
     from megatron_muon.ops import chunk_bwd_fused
 
     key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
-    names = ("q", "k", "v", "v_new", "beta", "g", "A", "h", "do", "dh", "du", "dq", "dk", "dv", "dbeta", "dg")
+    names = ("q", "k", "v", "v_new", "beta", "g", "A", "h", "do", "dh", "du", "dq", "dk", "dv", "dbeta", "dg",
+             "dA_scratch")
     signature = dict.fromkeys(names, "*bf16") | dict.fromkeys(("beta", "g", "dbeta", "dg"), "*fp32")
     signature |= {"scale": "fp32", "T": "i32", "NT": "i32"}
     constants = dict(H=heads // group, HV=heads, K=key_dim, V=value_dim, BT=64, BK=block_k, BV=block_v,

@@ -12,8 +12,9 @@ Per chunk (g the chunk-local cumulative log2 gate, A the inverse (I + strictly-l
     ds = causal(do·v_newᵀ ⊙ 2^(g_i − g_j))·scale,  dq = scale·2^g ⊙ (do·h) + ds·k,
     dk = 2^(g_last − g) ⊙ (v_new·dh) + dsᵀ·q + Aᵀ·dw ⊙ β·2^g + (the inverse's gradient through k),  dw = −du·h,
     dv = β ⊙ Aᵀ·du,  dA = dw·(β·2^g ⊙ k)ᵀ + du·(β ⊙ v)ᵀ, taken through the inverse as FLA's kernel does.
-The expressions of each part are those of the two kernels it replaces (each correct on Hopper with Triton 3.6:
-dsᵀ is its own product, the WY part transposes as FLA's kernel does). Reference:
+The expressions of each part are those of the two kernels it replaces, except for transposes: Triton 3.4 to 3.7.0
+miscompile the transpose of a product's result on Hopper (FLA issue #640), so dsᵀ is its own product (as in
+`ops/dqkwg.py`) and the WY part reads dAᵀ back from a scratch tile where FLA's kernel transposes products. Reference:
 `ops/reference.chunk_output_grads_reference` and the autograd of `ops/reference.chunk_wy_reference`.
 """
 
@@ -84,7 +85,7 @@ if triton is not None:
 
     @triton.jit
     def _chunk_bwd_fused_kernel(
-        q, k, v, v_new, beta, g, A, h, do, dh, du, dq, dk, dv, dbeta, dg, scale, T, NT,
+        q, k, v, v_new, beta, g, A, h, do, dh, du, dq, dk, dv, dbeta, dg, dA_scratch, scale, T, NT,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
         BV: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
@@ -189,6 +190,15 @@ if triton is not None:
         b_dA = tl.dot(b_A, b_dA.to(b_A.dtype))
         b_dA *= tl.exp2(tl.where(strictly_lower, b_g[:, None] - b_g[None, :], 0.0))
         b_dA = tl.where(strictly_lower, -b_dA, 0).to(k.dtype.element_ty)
+        # dAᵀ through a scratch tile: a transpose of a product's result miscompiles on Hopper with Triton 3.4 to
+        # 3.7.0 (the tensor-core layout transposed; FLA issue #640), a loaded tile's does not
+        p_dA = tl.make_block_ptr(dA_scratch + (i_bh * NT + i_t).to(tl.int64) * BT * BT, (BT, BT), (BT, 1), (0, 0),
+                                 (BT, BT), (1, 0))
+        tl.store(p_dA, b_dA)
+        tl.debug_barrier()
+        p_dA_t = tl.make_block_ptr(dA_scratch + (i_bh * NT + i_t).to(tl.int64) * BT * BT, (BT, BT), (1, BT), (0, 0),
+                                   (BT, BT), (0, 1))
+        b_dA_t = tl.load(p_dA_t)
 
         # key side, second pass: the inverse's part of dk and dβ
         b_kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -199,7 +209,7 @@ if triton is not None:
             b_kk = tl.dot(b_k, tl.trans(b_k), b_kk)
             b_dkb = tl.dot(b_dA, b_k)
             b_db += tl.sum(b_dkb * b_k, 1)
-            b_dk = b_dkb * b_b[:, None] + tl.trans(tl.dot(tl.trans(b_kb).to(b_dA.dtype), b_dA))
+            b_dk = b_dkb * b_b[:, None] + tl.dot(b_dA_t, b_kb.to(b_dA_t.dtype))
             p_dk = _key_tile(dk, value_base, t0, k0, T, HV, K, BT, BK)
             b_dk += tl.load(p_dk, boundary_check=(0,), padding_option="zero")
             tl.store(p_dk, b_dk.to(dk.dtype.element_ty), boundary_check=(0,))
@@ -229,7 +239,9 @@ def chunk_bwd_fused(q, k, v, v_new, beta, g, a_inverse, h, do, dh, du, scale: fl
     dq, dk = q.new_empty(per_value_head), q.new_empty(per_value_head)
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty(batch, seq_len, value_heads, dtype=torch.float32, device=q.device)
-    args = (q, k, v, v_new, beta, g, a_inverse, h, do, dh, du, dq, dk, dv, dbeta, dg, float(scale), seq_len, chunks)
+    scratch = q.new_empty(batch * value_heads * chunks * CHUNK * CHUNK)  # one [64, 64] tile per program
+    args = (q, k, v, v_new, beta, g, a_inverse, h, do, dh, du, dq, dk, dv, dbeta, dg, scratch, float(scale), seq_len,
+            chunks)
     constants = dict(H=heads, HV=value_heads, K=key_dim, V=value_dim, BT=CHUNK)
     grid = (chunks, batch * value_heads)
     config = config or (_INTERPRETER_CONFIG if _INTERPRETING else None)
