@@ -8,6 +8,7 @@ waits on (block barriers, TMA waits, shared-memory round trips) matters more tha
     python benchmarks/state_kernel_sass.py --fused  # registers, spills, shared memory of the fused kernels' tiles
     python benchmarks/state_kernel_sass.py --gluon-maxnreg 168  # the Gluon kernels under a register cap
     python benchmarks/state_kernel_sass.py --fused-backward  # every tile of the one-kernel chunk-parallel backward
+    python benchmarks/state_kernel_sass.py --transposes  # transposes of tensor-core results (FLA issue #640's pattern)
 """
 
 from __future__ import annotations
@@ -257,6 +258,66 @@ def fused_backward_table() -> None:
                   f"{used['shared'] / 1024:.1f} |")
 
 
+def transposed_products(kernel) -> list[str]:
+    """The compiled kernel's transposes of a tensor-core result (`tt.trans` of an `#mma` layout): the pattern Triton
+    3.4 to 3.7.0 miscompile on Hopper (FLA issue #640)."""
+    return [line.strip() for line in kernel.asm["ttgir"].splitlines()
+            if "tt.trans" in line and "#mma" in line.rsplit(":", 1)[-1].split("->")[0]]
+
+
+def dqkwg_kernel(shape: str, block_k: int, block_v: int, warps: int, stages: int):
+    """Our chunk output-gradient kernel (`ops/dqkwg.py`) compiled for sm90 at one of FUSED_SHAPES."""
+    from megatron_muon.ops import dqkwg
+
+    key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
+    names = ("q", "k", "v", "w_grad", "g", "h", "do", "dh", "dv", "dq", "dk", "dg")
+    signature = dict.fromkeys(names, "*bf16") | dict.fromkeys(("g", "dg"), "*fp32")
+    signature |= {"scale": "fp32", "T": "i32", "NT": "i32"}
+    constants = dict(H=heads // group, HV=heads, K=key_dim, V=value_dim, BT=64, BK=block_k, BV=block_v,
+                     STAGES=stages)
+    return compile_sm90(dqkwg._chunk_dqkwg_kernel, signature | dict.fromkeys(constants, "constexpr"), constants,
+                        warps)
+
+
+def flas_wy_backward(shape: str, warps: int):
+    """FLA's gated WY backward (`prepare_wy_repr_bwd_kernel`) compiled for sm90 at one of FUSED_SHAPES."""
+    from fla.ops.gated_delta_rule import wy_fast
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    kernel = wy_fast.prepare_wy_repr_bwd_kernel
+    while isinstance(kernel, (Autotuner, Heuristics)):  # the JIT function under FLA's wrappers
+        kernel = kernel.fn
+    key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
+    names = ("k", "v", "beta", "g", "A", "dw", "du", "dk", "dv", "db", "dg", "cu_seqlens", "chunk_indices")
+    signature = dict.fromkeys(names, "*bf16") | dict.fromkeys(("beta", "g", "db", "dg"), "*fp32")
+    signature |= {"cu_seqlens": "*i32", "chunk_indices": "*i32", "T": "i32"}
+    constants = dict(H=heads // group, HV=heads, K=key_dim, V=value_dim, BT=64, BK=64, BV=64, USE_G=True,
+                     IS_VARLEN=False)
+    return compile_sm90(kernel, signature | dict.fromkeys(constants, "constexpr"), constants, warps, 2)
+
+
+def transposes_table() -> None:
+    """How many tensor-core results each backward kernel transposes, compiled for sm90 at both shapes."""
+    from megatron_muon.ops.chunk_bwd_fused import CONFIGS
+    from megatron_muon.ops.dqkwg import CONFIGS as DQKWG
+
+    print("| kernel | shape | warps | wgmma products | transposed tensor-core results |")
+    print("|---|---|---:|---:|---:|")
+    for shape in FUSED_SHAPES:
+        kernels = [("one-kernel backward (ours)", config[2], lambda c=config: fused_backward(shape, *c))
+                   for config in CONFIGS[:1]]
+        kernels += [("dqkwg (ours)", config[2], lambda c=config: dqkwg_kernel(shape, *c)) for config in DQKWG[:1]]
+        kernels += [("FLA's gated WY backward", warps, lambda w=warps: flas_wy_backward(shape, w)) for warps in (2, 4)]
+        for name, warps, build in kernels:
+            try:
+                kernel = build()
+            except ImportError as error:
+                print(f"| {name} | {shape} | {warps} | left out: {error} | |")
+                continue
+            wgmma = kernel.asm["ttgir"].count("warp_group_dot")
+            print(f"| {name} | {shape} | {warps} | {wgmma} | {len(transposed_products(kernel))} |")
+
+
 def gluon_register_cap_table(maxnreg: int) -> None:
     """Registers, stack bytes and shared memory of every Gluon state kernel at both shapes under a `maxnreg` cap:
     whether two blocks could share an SM (registers and shared memory both halve)."""
@@ -281,6 +342,9 @@ def row(label: str, sass: str) -> str:
 def main() -> None:
     if "--fused" in sys.argv[1:]:
         fused_resources_table()
+        return
+    if "--transposes" in sys.argv[1:]:
+        transposes_table()
         return
     if "--fused-backward" in sys.argv[1:]:
         fused_backward_table()

@@ -46,16 +46,20 @@ def test_the_kernel_choice_names_it():
         kernel_choice.GdnKernels(output_grads="one")
 
 
-def test_every_tile_compiles_for_sm90_within_shared_memory():
+def test_every_tile_compiles_for_sm90_without_transposed_products():
     """Each tile compiled for sm90 (Triton's ptxas, no GPU needed) at both reference shapes: within the block's
-    shared memory; the first (the interpreter's and the likeliest) spills no registers."""
+    shared memory, with tensor-core (wgmma) products and no transpose of their results (the pattern Triton 3.4 to
+    3.7.0 miscompile on Hopper, FLA issue #640); the first tile spills no registers."""
     pytest.importorskip("triton", reason="ptxas comes with Triton")
     sys.path.insert(0, str(BENCHMARKS))
     import state_kernel_sass
 
     for shape in state_kernel_sass.FUSED_SHAPES:
         for index, config in enumerate(chunk_bwd_fused.CONFIGS):
-            used = state_kernel_sass.resources(state_kernel_sass.fused_backward(shape, *config))
+            kernel = state_kernel_sass.fused_backward(shape, *config)
+            assert "warp_group_dot" in kernel.asm["ttgir"], (shape, config)
+            assert state_kernel_sass.transposed_products(kernel) == [], (shape, config)
+            used = state_kernel_sass.resources(kernel)
             assert used["shared"] <= SM90_SHARED_MEMORY_PER_BLOCK, (shape, config, used)
             if index == 0:
                 assert used["stack"] == 0, (shape, used)
