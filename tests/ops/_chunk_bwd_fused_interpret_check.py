@@ -39,10 +39,11 @@ def main():
     # fp16 only: Triton 3.6's interpreter multiplies bf16 tiles as raw bits in tl.dot (the GPU tests cover bf16).
     # 150 and 100 tokens: full chunks and a partial one; key dims 64, 128 and 256: one, two and four key blocks;
     # value dims 64 and 128: two and four value blocks of 32. The third case's decay is strong (a padding row's gate
-    # gap would overflow exp2); the fourth is GVA (two value heads per query/key head, Qwen3-Next's grouping).
+    # gap would overflow exp2); the fourth and last are GVA (two value heads per query/key head, Qwen3-Next's
+    # grouping, and four).
     dtype = torch.float16
     cases = [(2, 150, 2, 2, 64, 64, 1.0), (1, 128, 1, 1, 128, 128, 1.0), (1, 150, 2, 2, 64, 64, 40.0),
-             (1, 150, 2, 4, 64, 64, 1.0), (1, 100, 1, 1, 256, 64, 1.0)]
+             (1, 150, 2, 4, 64, 64, 1.0), (1, 100, 1, 1, 256, 64, 1.0), (1, 100, 1, 4, 128, 64, 1.0)]
     for batch, seq_len, heads, value_heads, key_dim, value_dim, decay in cases:
         def rows(dim, s=1.0, n=value_heads):
             return (torch.randn(batch, seq_len, n, dim, generator=gen) * s).to(dtype)
@@ -69,7 +70,7 @@ def main():
         print("errors dq dk dv dbeta dg", [f"{e:.1e}" for e in errors])
         assert max(errors) < 3e-3, errors
     assert not qualifies(*inputs, torch.tensor([0, 64]), CHUNK)
-    three = torch.cat([q, q[:, :, :1]], dim=2)  # 3 query/key heads do not divide 4 value heads
+    three = q[:, :, :1].expand(-1, -1, 3, -1).contiguous()  # 3 query/key heads do not divide 4 value heads
     assert not qualifies(three, three, *inputs[2:], None, CHUNK)
     print("interpreter ok")
 
