@@ -8,9 +8,11 @@ On Hopper, where the inputs qualify, three of those kernels are ours instead, as
 stage: the chunk-state recurrences (warp-specialized Gluon kernels, `state_ws`, where they apply; else the Triton
 ones, `state_tma`) and the chunk output gradients (`dqkwg`); when chosen, one fused kernel (`chunk_fwd_fused`)
 replaces the forward state kernel and FLA's output kernel.
-Imports are lazy: this module is only touched when a CUDA op runs with an FLA backend.
+Imports are lazy: this module is only touched when a CUDA op runs with an FLA backend (or a CPU check runs our
+kernels under Triton's interpreter), and FLA itself only for the kernels of FLA's that a call runs.
 """
 
+import contextlib
 import functools
 import importlib.util
 
@@ -180,48 +182,67 @@ def _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_in
     if _on_state_tma([q, k, w], [do, dv], g_cumsum, cu_seqlens):
         return _state_kernel("chunk_dhu", [q, k, w], [do, dv], q, k, w, g_cumsum, do, dv, scale, dht=dht,
                              want_dh0=h0 is not None)
+    _extend_dhu_autotune()
     return chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g_cumsum, h0=h0, dht=dht, do=do, dv=dv, scale=scale,
                                           state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
 
 
 def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, initial_state, cu_seqlens, do, dht):
-    """FLA's ``chunk_gated_delta_rule_bwd`` without its recomputation when the forward kept w, h and v_new."""
-    from fla.ops.common.chunk_o import chunk_bwd_dqkwg
-    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
-    from fla.ops.utils import chunk_local_cumsum
-
-    _extend_dhu_autotune()
+    """FLA's ``chunk_gated_delta_rule_bwd`` without its recomputation when the forward kept w, h and v_new. FLA is
+    imported only for the kernels it runs, so with kept states and our kernels throughout (output terms "backward"
+    or "fused", output gradients "fused") the backward runs wherever ours do (the interpreter on a CPU included)."""
     q, k, v, beta, g_cumsum, a_inverse, do = _contiguous(q, k, v, beta, g_cumsum, a_inverse, do)
     h0, dht = _state_layout(initial_state), _state_layout(dht)
     chunk_indices = _chunk_indices(cu_seqlens)
-    common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    with torch.cuda.device(q.device):
+    with _on_device(q.device):
         if h.numel() == 0:
-            w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a_inverse, g=g_cumsum, **common)
+            from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+            w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a_inverse, g=g_cumsum, cu_seqlens=cu_seqlens,
+                                     chunk_indices=chunk_indices)
             h, v_new, _ = _forward_states(k, w, u, g_cumsum, h0, False, cu_seqlens, chunk_indices)
         dh, dh0, dv = _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_indices)
         if _on_fused_backward(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do, dh, dv, cu_seqlens):
             dq, dk, dv, dbeta, dg = chunk_bwd_fused.chunk_bwd_fused(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do,
                                                                     dh, dv, scale)
-            return _backward_outputs(q, k, v, g, beta, initial_state, dq, dk, dv, dg, dbeta, dh0)
-        ours = _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, cu_seqlens)
-        dk_per_value_head = ours and v.shape[2] != q.shape[2]  # GVA: both dk parts summed over groups in one pass
-        if ours:
-            dq, dk, dw, dg = dqkwg.chunk_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, dv, scale,
-                                               dk_per_value_head=dk_per_value_head)
         else:
-            dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
-                                             scale=scale, state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
-        if dk_per_value_head:
-            dk2, dv, dbeta, dg2 = _wy_backward_per_value_head(k, v, beta, g_cumsum, a_inverse, dw, dv)
-            dk = group_sum(dk, q.shape[2], dk2)
-        else:
-            dk2, dv, dbeta, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g_cumsum, A=a_inverse, dw=dw, du=dv,
-                                                      **common)
-            dk.add_(dk2)
-        dg.add_(dg2)
-        dg = chunk_local_cumsum(dg, chunk_size=CHUNK_SIZE, reverse=True, **common)
+            dq, dk, dv, dbeta, dg = _output_and_wy_gradients(q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, dh,
+                                                             dv, scale, cu_seqlens, chunk_indices)
     return _backward_outputs(q, k, v, g, beta, initial_state, dq, dk, dv, dg, dbeta, dh0)
+
+
+def _output_and_wy_gradients(q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, dh, du, scale, cu_seqlens,
+                             chunk_indices):
+    """(dq, dk, dv, dβ, dg) as two kernels: the chunk output gradients (ours or FLA's) and FLA's WY backward, then the
+    adds and FLA's reverse cumsum of dg."""
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    ours = _on_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, du, cu_seqlens)
+    dk_per_value_head = ours and v.shape[2] != q.shape[2]  # GVA: both dk parts summed over groups in one pass
+    if ours:
+        dq, dk, dw, dg = dqkwg.chunk_dqkwg(q, k, v_new, w, g_cumsum, h, do, dh, du, scale,
+                                           dk_per_value_head=dk_per_value_head)
+    else:
+        dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cumsum, h=h, dv=du, do=do, dh=dh,
+                                         scale=scale, state_v_first=STATE_V_FIRST, chunk_size=CHUNK_SIZE, **common)
+    if dk_per_value_head:
+        dk2, dv, dbeta, dg2 = _wy_backward_per_value_head(k, v, beta, g_cumsum, a_inverse, dw, du)
+        dk = group_sum(dk, q.shape[2], dk2)
+    else:
+        dk2, dv, dbeta, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g_cumsum, A=a_inverse, dw=dw, du=du,
+                                                  **common)
+        dk.add_(dk2)
+    dg.add_(dg2)
+    return dq, dk, dv, dbeta, chunk_local_cumsum(dg, chunk_size=CHUNK_SIZE, reverse=True, **common)
+
+
+def _on_device(device: torch.device):
+    """`torch.cuda.device(device)` for a CUDA tensor's kernels (FLA's launchers read the current device); nothing
+    to enter for CPU tensors under the interpreter."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _on_fused_backward(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do, dh, du, cu_seqlens) -> bool:

@@ -24,6 +24,12 @@ def test_kernel_under_triton_interpreter():
     run_under_interpreter(Path(__file__).with_name("_chunk_bwd_fused_interpret_check.py"))
 
 
+def test_gdn_backward_on_our_kernels_matches_the_recurrence_under_the_interpreter():
+    """The op's whole backward with kept states, our state-gradient kernel and the one kernel (no FLA needed):
+    dq, dk, dv, dg and dβ against the fp64 autograd of the token-by-token recurrence, dense and GVA."""
+    run_under_interpreter(Path(__file__).with_name("_gdn_backward_interpret_check.py"))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None,
                     reason="needs flash-linear-attention (the gdn extra) for FLA's WY kernel")
 def test_kernel_equals_the_two_kernels_it_replaces_under_the_interpreter():
