@@ -7,7 +7,8 @@ dispatch picks TileLang for the gated backward on Hopper when the fla-tilelang b
 On Hopper, where the inputs qualify, three of those kernels are ours instead, as `ops/kernel_choice` chooses per
 stage: the chunk-state recurrences (warp-specialized Gluon kernels, `state_ws`, where they apply; else the Triton
 ones, `state_tma`) and the chunk output gradients (`dqkwg`); when chosen, one fused kernel (`chunk_fwd_fused`)
-replaces the forward state kernel and FLA's output kernel.
+replaces the forward state kernel and FLA's output kernel, and one (`chunk_bwd_fused`) the output gradients, FLA's WY
+backward and its reverse cumsum of the gate gradient.
 Imports are lazy: this module is only touched when a CUDA op runs with an FLA backend (or a CPU check runs our
 kernels under Triton's interpreter), and FLA itself only for the kernels of FLA's that a call runs.
 """
