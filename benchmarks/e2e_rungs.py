@@ -27,7 +27,8 @@ Gluon ones (`megatron_muon.ops.state_ws`; the gain of those, measured in the sam
 fused forward and the state gradients computing the local value gradient), `4b` with the backward's term only (the
 gain of each, measured in the same run).
 `4g` is rung 4 with GDN's chunk-parallel backward in one kernel (`ops/chunk_bwd_fused.py`: the output gradients, the
-WY backward and the gate gradient's reverse cumsum; the gain of it, measured in the same run).
+WY backward and the gate gradient's reverse cumsum), `4i` with the forward's chunk-parallel part in one kernel
+(`ops/chunk_fwd_intra.py`: the gate cumsum, the WY inverse, w and u; the gain of each, measured in the same run).
 `4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
 `megatron_muon.megatron.main_grad_add.install_first_grad_overwrite`, measured in the same run).
 `4a` is rung 4 with megatron's clip multiply, torch's fused AdamW and megatron's master-to-model copy as three
@@ -106,6 +107,9 @@ RUNGS = {
     "4g": Rung("4g", "rung 4 with GDN's chunk-parallel backward in one kernel", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
                gdn_kernels=GdnKernels(output_grads="fused")),
+    "4i": Rung("4i", "rung 4 with GDN's chunk-parallel forward in one kernel", "ours", "cudnn", True, "adam", True,
+               main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
+               gdn_kernels=GdnKernels(intra="ours")),
     "4z": Rung("4z", "rung 4 with DDP's buffers zeroed every step", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True),
     "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,

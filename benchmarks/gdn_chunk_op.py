@@ -33,6 +33,7 @@ REFERENCE_VARIANT = "FlashQLA chunk op (direct)"
 STAGE_VARIANTS = [("states: fla", GdnKernels("fla", "ours")), ("states: triton", GdnKernels("triton", "ours")),
                   ("output grads: fla", GdnKernels("gluon", "fla")),
                   ("output grads: fused", GdnKernels(output_grads="fused")),
+                  ("intra: ours", GdnKernels(intra="ours")),
                   ("output terms: fused", GdnKernels(output_terms="fused")),
                   ("output terms and grads: fused", GdnKernels(output_terms="fused", output_grads="fused")),
                   ("output terms: backward only", GdnKernels(output_terms="backward")),

@@ -7,7 +7,7 @@ waits on (block barriers, TMA waits, shared-memory round trips) matters more tha
     python benchmarks/state_kernel_sass.py          # FLA's row needs flash-linear-attention importable
     python benchmarks/state_kernel_sass.py --fused  # registers, spills, shared memory of the fused kernels' tiles
     python benchmarks/state_kernel_sass.py --gluon-maxnreg 168  # the Gluon kernels under a register cap
-    python benchmarks/state_kernel_sass.py --fused-backward  # every tile of the one-kernel chunk-parallel backward
+    python benchmarks/state_kernel_sass.py --fused-backward  # every tile of the one-kernel chunk-parallel kernels
     python benchmarks/state_kernel_sass.py --transposes  # transposes of tensor-core results (FLA issue #640's pattern)
 """
 
@@ -245,16 +245,37 @@ def fused_backward(shape: str, block_k: int, block_v: int, warps: int, stages: i
                         constants, warps)
 
 
+def fused_intra(shape: str, block_k: int, block_v: int, warps: int):
+    """The one-kernel chunk-parallel forward (`ops/chunk_fwd_intra.py`) compiled for sm90 at one of FUSED_SHAPES."""
+    from megatron_muon.ops import chunk_fwd_intra
+
+    key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
+    signature = dict.fromkeys(("k", "v", "A", "w", "u"), "*bf16")
+    signature |= dict.fromkeys(("g", "beta", "g_cumsum"), "*fp32") | {"T": "i32", "scale_log2": "fp32"}
+    signature = {name: signature[name] for name in ("k", "v", "g", "beta", "g_cumsum", "A", "w", "u", "T",
+                                                    "scale_log2")}
+    constants = dict(H=heads // group, HV=heads, K=key_dim, V=value_dim, BT=64, BC=chunk_fwd_intra.BLOCK,
+                     BK=block_k, BV=block_v)
+    return compile_sm90(chunk_fwd_intra._chunk_fwd_intra_kernel, signature | dict.fromkeys(constants, "constexpr"),
+                        constants, warps)
+
+
 def fused_backward_table() -> None:
-    """Registers, spills and shared memory of every tile of the one-kernel chunk-parallel backward at both shapes."""
+    """Registers, spills and shared memory of every tile of the one-kernel chunk-parallel backward and forward at both
+    shapes."""
     from megatron_muon.ops.chunk_bwd_fused import CONFIGS
 
-    print("| shape | BK / BV / warps / stages | registers | stack bytes (spills) | shared KiB |")
-    print("|---|---|---:|---:|---:|")
+    from megatron_muon.ops.chunk_fwd_intra import CONFIGS as INTRA
+
+    print("| kernel | shape | BK / BV / warps (/ stages) | registers | stack bytes (spills) | shared KiB |")
+    print("|---|---|---|---:|---:|---:|")
     for shape in FUSED_SHAPES:
-        for config in CONFIGS:
-            used = resources(fused_backward(shape, *config))
-            print(f"| {shape} | {'/'.join(map(str, config))} | {used['registers']} | {used['stack']} | "
+        kernels = [("backward", config, lambda c=config: fused_backward(shape, *c)) for config in CONFIGS]
+        kernels += [("forward, chunk-parallel part", config, lambda c=config: fused_intra(shape, *c))
+                    for config in INTRA]
+        for name, config, build in kernels:
+            used = resources(build())
+            print(f"| {name} | {shape} | {'/'.join(map(str, config))} | {used['registers']} | {used['stack']} | "
                   f"{used['shared'] / 1024:.1f} |")
 
 

@@ -19,7 +19,8 @@ import importlib.util
 
 import torch
 
-from megatron_muon.ops import chunk_bwd_fused, chunk_fwd_fused, chunk_fwd_fused_ws, dqkwg, state_tma, state_ws
+from megatron_muon.ops import (chunk_bwd_fused, chunk_fwd_fused, chunk_fwd_fused_ws, chunk_fwd_intra, dqkwg, state_tma,
+                               state_ws)
 from megatron_muon.ops.group_sum import group_sum
 from megatron_muon.ops.kernel_choice import gdn_kernels
 
@@ -56,27 +57,24 @@ def chunk_states_shape(batch, seq_len, value_heads, key_dim, value_dim):
 def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_states):
     """(o, final_state or empty, g_cumsum (log2 space), A = (I + Akk)^-1, w, h, v_new) from FLA's chunk kernels.
 
-    The same four kernels as FLA's ``chunk_gated_delta_rule_fwd`` (three with the fused forward); with
-    ``keep_states`` (equal-length batches only) w, the per-chunk states h and the corrected values v_new are returned
-    so the backward does not recompute them; otherwise those three are empty and the backward recomputes them as FLA
-    does.
+    The same four kernels as FLA's ``chunk_gated_delta_rule_fwd`` (fewer with ours chosen for the chunk-parallel
+    part or the fused forward); with ``keep_states`` (equal-length batches only) w, the per-chunk states h and the
+    corrected values v_new are returned so the backward does not recompute them; otherwise those three are empty and
+    the backward recomputes them as FLA does. FLA is imported only for the kernels of FLA's a call runs.
     """
-    from fla.ops.common.chunk_o import chunk_fwd_o
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
-
     q, k, v, g, beta = _contiguous(q, k, v, g, beta)
     chunk_indices = _chunk_indices(cu_seqlens)
-    with torch.cuda.device(q.device):
-        g_cumsum = chunk_local_cumsum(g, chunk_size=CHUNK_SIZE, scale=RCP_LN2, cu_seqlens=cu_seqlens,
-                                      chunk_indices=chunk_indices)
-        w, u, a_inverse = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cumsum, beta=beta, cu_seqlens=cu_seqlens,
-                                                           chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices)
+    with _on_device(q.device):
+        if _on_intra(k, v, g, beta, cu_seqlens):
+            g_cumsum, w, u, a_inverse = chunk_fwd_intra.chunk_fwd_intra(k, v, g, beta)
+        else:
+            g_cumsum, w, u, a_inverse = _flas_intra(k, v, g, beta, cu_seqlens, chunk_indices)
         if _on_fused_forward(q, k, w, u, g_cumsum, cu_seqlens):
             o, final_state, h, v_new = _fused_forward(q, k, w, u, g_cumsum, scale, _state_layout(initial_state),
                                                       output_final_state, keep_states)
         else:
+            from fla.ops.common.chunk_o import chunk_fwd_o
+
             h, v_new, final_state = _forward_states(k, w, u, g_cumsum, _state_layout(initial_state),
                                                     output_final_state, cu_seqlens, chunk_indices)
             o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cumsum, scale=scale, state_v_first=STATE_V_FIRST,
@@ -87,6 +85,24 @@ def gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     if not (keep_states and cu_seqlens is None):
         w, h, v_new = (q.new_empty(0) for _ in range(3))
     return o.to(v.dtype), final_state.float(), g_cumsum.float(), a_inverse.to(k.dtype), w, h, v_new
+
+
+def _on_intra(k, v, g, beta, cu_seqlens) -> bool:
+    """Whether the chunk-parallel forward (gate cumsum, WY inverse, w, u) runs as our one kernel for these inputs."""
+    return gdn_kernels().intra == "ours" and chunk_fwd_intra.qualifies(k, v, g, beta, cu_seqlens, CHUNK_SIZE)
+
+
+def _flas_intra(k, v, g, beta, cu_seqlens, chunk_indices):
+    """(g_cumsum, w, u, A) from FLA's gate cumsum and its fused kkt + solve + `recompute_w_u`."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    g_cumsum = chunk_local_cumsum(g, chunk_size=CHUNK_SIZE, scale=RCP_LN2, cu_seqlens=cu_seqlens,
+                                  chunk_indices=chunk_indices)
+    w, u, a_inverse = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cumsum, beta=beta, cu_seqlens=cu_seqlens,
+                                                       chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices)
+    return g_cumsum, w, u, a_inverse
 
 
 def _state_kernel(name: str, key_side: list, value_side: list, *args, **kwargs):

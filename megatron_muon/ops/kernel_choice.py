@@ -12,6 +12,9 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
   Triton: the fused forward, `ops/chunk_fwd_fused_ws.py` for K ≤ 128 or `ops/chunk_fwd_fused.py`, and the
   state-gradient kernel called without dv; a backward that recomputes the forward states runs them on ``states``),
   or "backward" (the backward's term only; the forward stays split).
+- ``intra``: the chunk-parallel forward before the recurrence (the gate's chunk-local cumulative sum, the WY inverse,
+  w and u): "fla" (FLA's cumsum, fused kkt + solve and `recompute_w_u`) or "ours" (one kernel,
+  `ops/chunk_fwd_intra.py`).
 
 Named presets: "ours" (gluon + ours + fla, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
 fla) and "fla" (FLA's everywhere).
@@ -28,6 +31,7 @@ KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
 STATE_KERNELS = ("gluon", "triton", "fla")
 OUTPUT_GRAD_KERNELS = ("ours", "fused", "fla")
 OUTPUT_TERM_KERNELS = ("fla", "fused", "backward")
+INTRA_KERNELS = ("fla", "ours")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class GdnKernels:
     states: str = "gluon"
     output_grads: str = "ours"
     output_terms: str = "fla"
+    intra: str = "fla"
 
     def __post_init__(self):
         if self.states not in STATE_KERNELS:
@@ -45,6 +50,8 @@ class GdnKernels:
             raise ValueError(f"GDN output-gradient kernels {self.output_grads!r}; valid choices: {OUTPUT_GRAD_KERNELS}")
         if self.output_terms not in OUTPUT_TERM_KERNELS:
             raise ValueError(f"GDN output-term kernels {self.output_terms!r}; valid choices: {OUTPUT_TERM_KERNELS}")
+        if self.intra not in INTRA_KERNELS:
+            raise ValueError(f"GDN intra-chunk forward kernels {self.intra!r}; valid choices: {INTRA_KERNELS}")
 
     @classmethod
     def named(cls, name: str, where: str = "gdn_kernels") -> GdnKernels:

@@ -30,7 +30,7 @@ def test_stage_variants_each_change_one_choice_or_all():
     assert default == PRESETS["ours"]
 
     def changed(kernels, base):
-        return [stage for stage in ("states", "output_grads", "output_terms")
+        return [stage for stage in ("states", "output_grads", "output_terms", "intra")
                 if getattr(kernels, stage) != getattr(base, stage)]
 
     for suffix, kernels in STAGE_VARIANTS:

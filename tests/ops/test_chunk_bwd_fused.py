@@ -24,10 +24,10 @@ def test_kernel_under_triton_interpreter():
     run_under_interpreter(Path(__file__).with_name("_chunk_bwd_fused_interpret_check.py"))
 
 
-def test_gdn_backward_on_our_kernels_matches_the_recurrence_under_the_interpreter():
-    """The op's whole backward with kept states, our state-gradient kernel and the one kernel (no FLA needed):
-    dq, dk, dv, dg and dβ against the fp64 autograd of the token-by-token recurrence, dense and GVA."""
-    run_under_interpreter(Path(__file__).with_name("_gdn_backward_interpret_check.py"))
+def test_gdn_chunk_op_on_our_kernels_matches_the_recurrence_under_the_interpreter():
+    """The op's forward and backward with our kernels throughout (no FLA): o, the final state, dq, dk, dv, dg, dβ and
+    dh0 against the fp64 token-by-token recurrence and its autograd, dense and GVA, with initial and final states."""
+    run_under_interpreter(Path(__file__).with_name("_gdn_chunk_op_interpret_check.py"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None,

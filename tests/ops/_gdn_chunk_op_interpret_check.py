@@ -1,0 +1,61 @@
+"""Run under TRITON_INTERPRET=1 in a subprocess: the GDN chunk op's forward and backward (`fla_backend.gdn_forward`,
+`gdn_backward`, what the custom op calls) with our kernels throughout, on CPU, against the token-by-token recurrence
+in fp64 and its autograd: the one-kernel chunk-parallel forward, the Triton fused forward (state and output), the
+Triton state-gradient kernel with the local value gradient and the one-kernel chunk-parallel backward; no FLA."""
+
+import torch
+
+from tests.interpreter import patch_for_numpy_2_5
+
+patch_for_numpy_2_5()
+
+from megatron_muon.ops import fla_backend, kernel_choice  # noqa: E402
+from megatron_muon.ops.reference import naive_recurrent_gated_delta_rule  # noqa: E402
+from tests.ops._state_tma_interpret_check import relative  # noqa: E402
+
+
+def main():
+    kernel_choice.set_gdn_kernels(kernel_choice.GdnKernels("triton", "fused", "fused", "ours"))
+    gen = torch.Generator().manual_seed(7)
+    # 150 tokens: two full chunks and a partial one; dense heads, then GVA (two value heads per query/key head); an
+    # initial state and a gradient of the final state
+    for heads, value_heads in ((2, 2), (1, 2)):
+        batch, seq_len, key_dim, value_dim = 1, 150, 64, 64
+        scale = key_dim**-0.5
+
+        def unit_rows():
+            x = torch.randn(batch, seq_len, heads, key_dim, generator=gen)
+            return torch.nn.functional.normalize(x, dim=-1).half()  # fp16: the interpreter's bf16 dots are raw bits
+
+        q, k = unit_rows(), unit_rows()
+        v = torch.randn(batch, seq_len, value_heads, value_dim, generator=gen).half()
+        g = -torch.rand(batch, seq_len, value_heads, generator=gen) * 0.2  # per-token log decay
+        beta = torch.rand(batch, seq_len, value_heads, generator=gen)
+        h0 = torch.randn(batch, value_heads, key_dim, value_dim, generator=gen) * 0.1
+        do = torch.randn(batch, seq_len, value_heads, value_dim, generator=gen).half()
+        dht = torch.randn(batch, value_heads, key_dim, value_dim, generator=gen)
+
+        o, final, g_cumsum, a_inverse, w, h, v_new = fla_backend.gdn_forward(q, k, v, g, beta, scale, h0, True, None,
+                                                                             True)
+        grads = fla_backend.gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, h0, None, do,
+                                         dht)
+
+        leaves = [t.double().requires_grad_() for t in (q, k, v, g, beta, h0)]
+        want_o, want_final = naive_recurrent_gated_delta_rule(*leaves[:5], scale=scale, initial_state=leaves[5],
+                                                              output_final_state=True)
+        loss = (want_o * do.double()).sum() + (want_final * dht.double()).sum()
+        want_grads = torch.autograd.grad(loss, leaves)
+        assert o.dtype == v.dtype and final.dtype == torch.float32
+        assert [t.shape for t in grads] == [t.shape for t in leaves]
+        assert [t.dtype for t in grads] == [t.dtype for t in (q, k, v, g, beta, h0)]
+        # fp16 tensors (w, u, h, v_new, the inverse, every gradient) between fp32-accumulating kernels
+        errors = {"o": relative(o, want_o), "final": relative(final, want_final)}
+        errors |= {name: relative(a, b) for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads,
+                                                              want_grads)}
+        print(f"heads {heads}/{value_heads}:", {name: f"{e:.1e}" for name, e in errors.items()})
+        assert max(errors.values()) < 3e-3, errors
+    print("interpreter ok")
+
+
+if __name__ == "__main__":
+    main()
