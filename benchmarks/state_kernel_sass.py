@@ -7,7 +7,7 @@ waits on (block barriers, TMA waits, shared-memory round trips) matters more tha
     python benchmarks/state_kernel_sass.py          # FLA's row needs flash-linear-attention importable
     python benchmarks/state_kernel_sass.py --fused  # registers, spills, shared memory of the fused kernels' tiles
     python benchmarks/state_kernel_sass.py --gluon-maxnreg 168  # the Gluon kernels under a register cap
-    python benchmarks/state_kernel_sass.py --fused-backward  # every tile of the one-kernel chunk-parallel kernels
+    python benchmarks/state_kernel_sass.py --chunk-parallel  # every tile of the one-kernel chunk-parallel kernels
     python benchmarks/state_kernel_sass.py --transposes  # transposes of tensor-core results (FLA issue #640's pattern)
 """
 
@@ -320,6 +320,7 @@ def flas_wy_backward(shape: str, warps: int):
 def transposes_table() -> None:
     """How many tensor-core results each backward kernel transposes, compiled for sm90 at both shapes."""
     from megatron_muon.ops.chunk_bwd_fused import CONFIGS
+    from megatron_muon.ops.chunk_fwd_intra import CONFIGS as INTRA
     from megatron_muon.ops.dqkwg import CONFIGS as DQKWG
 
     print("| kernel | shape | warps | wgmma products | transposed tensor-core results |")
@@ -327,6 +328,8 @@ def transposes_table() -> None:
     for shape in FUSED_SHAPES:
         kernels = [("one-kernel backward (ours)", config[2], lambda c=config: fused_backward(shape, *c))
                    for config in CONFIGS[:1]]
+        kernels += [("one-kernel forward part (ours)", config[2], lambda c=config: fused_intra(shape, *c))
+                    for config in INTRA[:1]]
         kernels += [("dqkwg (ours)", config[2], lambda c=config: dqkwg_kernel(shape, *c)) for config in DQKWG[:1]]
         kernels += [("FLA's gated WY backward", warps, lambda w=warps: flas_wy_backward(shape, w)) for warps in (2, 4)]
         for name, warps, build in kernels:
@@ -367,7 +370,7 @@ def main() -> None:
     if "--transposes" in sys.argv[1:]:
         transposes_table()
         return
-    if "--fused-backward" in sys.argv[1:]:
+    if "--chunk-parallel" in sys.argv[1:]:
         fused_backward_table()
         return
     if "--gluon-maxnreg" in sys.argv[1:]:

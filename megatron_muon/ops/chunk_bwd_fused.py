@@ -34,7 +34,7 @@ except ImportError:  # the caller keeps the two-kernel path
 CHUNK = 64
 # (key block, value block, warps, stages); the autotuner picks one on the first call per shape. Compiled for sm90
 # (Triton's ptxas), the first two spill nothing at either reference shape
-# (`benchmarks/results/gdn_chunk_bwd_fused_resources.md`).
+# (`benchmarks/results/gdn_chunk_parallel_resources.md`).
 CONFIGS = [(64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 1)]
 _INTERPRETER_CONFIG = (64, 32, 4, 1)
 KEY_DIMS = (64, 128, 256)
