@@ -1,9 +1,12 @@
 """torch.library.opcheck on every custom op: schema, fake kernel, autograd registration, AOT dispatch."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from megatron_muon.ops import conv, gdn, norm
+from tests.interpreter import run_under_interpreter
 from tests.ops.helpers import gdn_inputs
 
 
@@ -29,6 +32,12 @@ def test_gdn_chunk_ops(case):
     dht = torch.randn_like(ht) if output_final_state else None
     torch.library.opcheck(
         gdn.gdn_chunk_bwd, (q, k, v, g, beta, *private, scale, h0, cu_seqlens, torch.randn_like(o), dht))
+
+
+def test_gdn_chunk_ops_on_the_kernel_path_under_the_interpreter():
+    """The same ops on the CUDA path's kernels (ours throughout, run by Triton's interpreter on CPU, no FLA): opcheck
+    with the chunk states kept, and the op compiled with fullgraph equal to eager and to the fp64 recurrence."""
+    run_under_interpreter(Path(__file__).with_name("_gdn_op_interpret_check.py"))
 
 
 @pytest.mark.parametrize("use_bias, activation, varlen", [(True, "silu", False), (False, None, True)])
