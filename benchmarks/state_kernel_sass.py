@@ -260,6 +260,19 @@ def fused_intra(shape: str, block_k: int, block_v: int, warps: int):
                         constants, warps)
 
 
+def intra_recompute(shape: str, block_k: int, block_v: int, warps: int):
+    """Its w and u step alone (`chunk_fwd_intra._recompute_w_u_kernel`, the backward of a forward that did not keep
+    its chunk states) compiled for sm90 at one of FUSED_SHAPES."""
+    from megatron_muon.ops import chunk_fwd_intra
+
+    key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
+    signature = {"k": "*bf16", "v": "*bf16", "beta": "*fp32", "g_cumsum": "*fp32", "A": "*bf16", "w": "*bf16",
+                 "u": "*bf16", "T": "i32"}
+    constants = dict(H=heads // group, HV=heads, K=key_dim, V=value_dim, BT=64, BK=block_k, BV=block_v)
+    return compile_sm90(chunk_fwd_intra._recompute_w_u_kernel, signature | dict.fromkeys(constants, "constexpr"),
+                        constants, warps)
+
+
 def fused_backward_table() -> None:
     """Registers, spills and shared memory of every tile of the one-kernel chunk-parallel backward and forward at both
     shapes."""

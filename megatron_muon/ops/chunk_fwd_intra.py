@@ -186,7 +186,13 @@ if triton is not None:
         _store_block(A, value_base, t0, 3, 3, b_x33, T, HV, BT, BC)
         tl.debug_barrier()  # the blocks stored before A is read back whole
 
-        # w and u from A as stored (rounded as FLA's recompute_w_u reads it)
+        _w_and_u(k, v, A, w, u, b_b, b_g, value_base, k_base, t0, T, H, HV, K, V, BT, BK, BV)
+
+    @triton.jit
+    def _w_and_u(k, v, A, w, u, b_b, b_g, value_base, k_base, t0, T, H: tl.constexpr, HV: tl.constexpr,
+                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        """w = A·(β·2^g ⊙ k) and u = A·(β ⊙ v) from the chunk's A as stored (rounded as FLA's recompute_w_u
+        reads it)."""
         p_a = tl.make_block_ptr(A + value_base * BT, (T, BT), (HV * BT, 1), (t0, 0), (BT, BT), (1, 0))
         b_a = tl.load(p_a, boundary_check=(0,), padding_option="zero")
         for v0 in range(0, V, BV):
@@ -203,10 +209,40 @@ if triton is not None:
             p_w = tl.make_block_ptr(w + value_base * K, (T, K), (HV * K, 1), (t0, k0), (BT, BK), (1, 0))
             tl.store(p_w, tl.dot(b_a, b_kb).to(w.dtype.element_ty), boundary_check=(0,))
 
+    @triton.jit
+    def _recompute_w_u_kernel(
+        k, v, beta, g_cumsum, A, w, u, T,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+        BV: tl.constexpr,
+    ):  # fmt: skip
+        i_t = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b, i_h = i_bh // HV, i_bh % HV
+        t0 = i_t * BT
+        o_t = t0 + tl.arange(0, BT)
+        rows = ((i_b * T + o_t) * HV + i_h).to(tl.int64)
+        b_b = tl.load(beta + rows, mask=o_t < T, other=0.0)
+        b_g = tl.load(g_cumsum + rows, mask=o_t < T, other=0.0).to(tl.float32)
+        _w_and_u(k, v, A, w, u, b_b, b_g, (i_b * T * HV + i_h).to(tl.int64),
+                 (i_b * T * H + i_h // (HV // H)).to(tl.int64) * K, t0, T, H, HV, K, V, BT, BK, BV)
+
     _tuned = triton.autotune(
         configs=[triton.Config({"BK": bk, "BV": bv}, num_warps=warps) for bk, bv, warps in CONFIGS],
         key=["H", "HV", "K", "V"],
     )(_chunk_fwd_intra_kernel)
+
+
+def recompute_w_u(k, v, beta, g_cumsum, a_inverse):
+    """(w, u) from the forward's g_cumsum and A, as FLA's `recompute_w_u_fwd` (the backward of a forward that did not
+    keep its chunk states); the intra kernel's own w and u step, one program per (chunk, value head)."""
+    batch, seq_len, heads, key_dim = k.shape
+    value_heads, value_dim = v.shape[2], v.shape[-1]
+    w, u = k.new_empty(batch, seq_len, value_heads, key_dim), torch.empty_like(v)
+    block_k, block_v, warps = _INTERPRETER_CONFIG if _INTERPRETING else CONFIGS[0]
+    _recompute_w_u_kernel[(triton.cdiv(seq_len, CHUNK), batch * value_heads)](
+        k, v, beta, g_cumsum, a_inverse, w, u, seq_len, H=heads, HV=value_heads, K=key_dim, V=value_dim, BT=CHUNK,
+        BK=block_k, BV=block_v, num_warps=warps)
+    return w, u
 
 
 def chunk_fwd_intra(k, v, g, beta, config=None):

@@ -213,10 +213,7 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
     chunk_indices = _chunk_indices(cu_seqlens)
     with _on_device(q.device):
         if h.numel() == 0:
-            from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-
-            w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a_inverse, g=g_cumsum, cu_seqlens=cu_seqlens,
-                                     chunk_indices=chunk_indices)
+            w, u = _recomputed_w_u(k, v, beta, g_cumsum, a_inverse, cu_seqlens, chunk_indices)
             h, v_new, _ = _forward_states(k, w, u, g_cumsum, h0, False, cu_seqlens, chunk_indices)
         dh, dh0, dv = _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_indices)
         if _on_fused_backward(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do, dh, dv, cu_seqlens):
@@ -226,6 +223,17 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
             dq, dk, dv, dbeta, dg = _output_and_wy_gradients(q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, dh,
                                                              dv, scale, cu_seqlens, chunk_indices)
     return _backward_outputs(q, k, v, g, beta, initial_state, dq, dk, dv, dg, dbeta, dh0)
+
+
+def _recomputed_w_u(k, v, beta, g_cumsum, a_inverse, cu_seqlens, chunk_indices):
+    """The forward's w and u again (its chunk states were not kept): ours where the intra kernel is chosen, else
+    FLA's `recompute_w_u_fwd`."""
+    if _on_intra(k, v, g_cumsum, beta, cu_seqlens):
+        return chunk_fwd_intra.recompute_w_u(k, v, beta, g_cumsum, a_inverse)
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=a_inverse, g=g_cumsum, cu_seqlens=cu_seqlens,
+                             chunk_indices=chunk_indices)
 
 
 def _output_and_wy_gradients(q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, dh, du, scale, cu_seqlens,

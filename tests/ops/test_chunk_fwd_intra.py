@@ -34,18 +34,20 @@ def test_the_kernel_choice_names_it():
 
 
 def test_every_tile_compiles_for_sm90_without_spills():
-    """Each tile compiled for sm90 (Triton's ptxas, no GPU needed) at both reference shapes: within the block's
-    shared memory, no spilled registers, no transpose of a tensor-core result (FLA issue #640's pattern)."""
+    """Each tile, and the w/u kernel a backward without kept states launches, compiled for sm90 (Triton's ptxas, no
+    GPU needed) at both reference shapes: within the block's shared memory, no spilled registers, no transpose of a
+    tensor-core result (FLA issue #640's pattern)."""
     pytest.importorskip("triton", reason="ptxas comes with Triton")
     sys.path.insert(0, str(BENCHMARKS))
     import state_kernel_sass
 
     for shape in state_kernel_sass.FUSED_SHAPES:
-        for config in chunk_fwd_intra.CONFIGS:
-            kernel = state_kernel_sass.fused_intra(shape, *config)
-            assert state_kernel_sass.transposed_products(kernel) == [], (shape, config)
+        kernels = [state_kernel_sass.fused_intra(shape, *config) for config in chunk_fwd_intra.CONFIGS]
+        kernels.append(state_kernel_sass.intra_recompute(shape, *chunk_fwd_intra.CONFIGS[0]))  # what it launches
+        for index, kernel in enumerate(kernels):
+            assert state_kernel_sass.transposed_products(kernel) == [], (shape, index)
             used = state_kernel_sass.resources(kernel)
-            assert used["shared"] <= SM90_SHARED_MEMORY_PER_BLOCK and used["stack"] == 0, (shape, config, used)
+            assert used["shared"] <= SM90_SHARED_MEMORY_PER_BLOCK and used["stack"] == 0, (shape, index, used)
 
 
 @pytest.mark.gpu
