@@ -28,7 +28,8 @@ fused forward and the state gradients computing the local value gradient), `4b` 
 gain of each, measured in the same run).
 `4g` is rung 4 with GDN's chunk-parallel backward in one kernel (`ops/chunk_bwd_fused.py`: the output gradients, the
 WY backward and the gate gradient's reverse cumsum), `4i` with the forward's chunk-parallel part in one kernel
-(`ops/chunk_fwd_intra.py`: the gate cumsum, the WY inverse, w and u; the gain of each, measured in the same run).
+(`ops/chunk_fwd_intra.py`: the gate cumsum, the WY inverse, w and u), `4c` with both (the gain of each and of both,
+measured in the same run).
 `4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
 `megatron_muon.megatron.main_grad_add.install_first_grad_overwrite`, measured in the same run).
 `4a` is rung 4 with megatron's clip multiply, torch's fused AdamW and megatron's master-to-model copy as three
@@ -110,6 +111,9 @@ RUNGS = {
     "4i": Rung("4i", "rung 4 with GDN's chunk-parallel forward in one kernel", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
                gdn_kernels=GdnKernels(intra="ours")),
+    "4c": Rung("4c", "rung 4 with GDN's chunk-parallel forward and backward in one kernel each", "ours", "cudnn", True,
+               "adam", True, main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
+               gdn_kernels=GdnKernels(output_grads="fused", intra="ours")),
     "4z": Rung("4z", "rung 4 with DDP's buffers zeroed every step", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True),
     "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,
