@@ -226,10 +226,19 @@ if triton is not None:
         _w_and_u(k, v, A, w, u, b_b, b_g, (i_b * T * HV + i_h).to(tl.int64),
                  (i_b * T * H + i_h // (HV // H)).to(tl.int64) * K, t0, T, H, HV, K, V, BT, BK, BV)
 
+    def _dividing_tiles(configs, named_args, **kwargs):
+        """The tiles whose blocks divide the key and value dims (the kernels check only the sequence's end)."""
+        return [c for c in configs if kwargs["K"] % c.kwargs["BK"] == 0 and kwargs["V"] % c.kwargs["BV"] == 0]
+
     _tuned = triton.autotune(
         configs=[triton.Config({"BK": bk, "BV": bv}, num_warps=warps) for bk, bv, warps in CONFIGS],
         key=["H", "HV", "K", "V"],
+        prune_configs_by={"early_config_prune": _dividing_tiles},
     )(_chunk_fwd_intra_kernel)
+
+
+def _first_dividing_tile(key_dim: int, value_dim: int) -> tuple[int, int, int]:
+    return next(c for c in CONFIGS if key_dim % c[0] == 0 and value_dim % c[1] == 0)
 
 
 def recompute_w_u(k, v, beta, g_cumsum, a_inverse):
@@ -238,7 +247,7 @@ def recompute_w_u(k, v, beta, g_cumsum, a_inverse):
     batch, seq_len, heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[-1]
     w, u = k.new_empty(batch, seq_len, value_heads, key_dim), torch.empty_like(v)
-    block_k, block_v, warps = _INTERPRETER_CONFIG if _INTERPRETING else CONFIGS[0]
+    block_k, block_v, warps = _INTERPRETER_CONFIG if _INTERPRETING else _first_dividing_tile(key_dim, value_dim)
     _recompute_w_u_kernel[(triton.cdiv(seq_len, CHUNK), batch * value_heads)](
         k, v, beta, g_cumsum, a_inverse, w, u, seq_len, H=heads, HV=value_heads, K=key_dim, V=value_dim, BT=CHUNK,
         BK=block_k, BV=block_v, num_warps=warps)

@@ -23,11 +23,11 @@ def chunk_local_log2_cumsum(g):
 def main():
     gen = torch.Generator().manual_seed(11)
     # fp16: the interpreter multiplies bf16 tiles as raw bits. 150 and 100 tokens: full chunks and a partial one;
-    # key dims 64 and 128, value dims 32 and 64; the third case's decay is strong (a padding row's gap would
-    # overflow exp2); the last two are GVA (value head h reads key head h // 2, h // 4)
-    # (slow decay in the others: the blocks 48 rows apart then weigh in the inverse)
+    # key dims 64, 96 and 128, value dims 32, 64 and 96; the third case's decay is strong (a padding row's gap would
+    # overflow exp2), slow in the others (the blocks 48 rows apart then weigh in the inverse); the last three are GVA
+    # (value head h reads key head h // 2 or h // 4)
     cases = [(2, 150, 2, 2, 64, 64, 0.1), (1, 128, 1, 1, 128, 32, 0.1), (1, 150, 2, 2, 64, 64, 40.0),
-             (1, 150, 2, 4, 64, 64, 0.1), (1, 100, 1, 4, 128, 32, 0.1)]
+             (1, 150, 2, 4, 64, 64, 0.1), (1, 100, 1, 4, 128, 32, 0.1), (1, 100, 1, 2, 96, 96, 0.1)]
     for batch, seq_len, heads, value_heads, key_dim, value_dim, decay in cases:
         # keys sharing a direction (cosines around 0.5), so the inverse's higher-order terms are large enough to see
         shared = torch.randn(1, 1, heads, key_dim, generator=gen)

@@ -33,6 +33,18 @@ def test_the_kernel_choice_names_it():
         kernel_choice.GdnKernels(intra="one")
 
 
+@pytest.mark.skipif(chunk_fwd_intra.triton is None, reason="needs Triton")
+def test_only_tiles_that_divide_the_dims_run():
+    """A 64-wide block at key dim 96 would read and write past the head's columns (the kernels check only T)."""
+    assert chunk_fwd_intra._tuned.early_config_prune is chunk_fwd_intra._dividing_tiles
+    configs = chunk_fwd_intra._tuned.configs
+    assert chunk_fwd_intra._dividing_tiles(configs, {}, K=128, V=128) == configs
+    kept = chunk_fwd_intra._dividing_tiles(configs, {}, K=96, V=128)
+    assert kept and all(c.kwargs["BK"] == 32 for c in kept)
+    assert chunk_fwd_intra._first_dividing_tile(96, 64) == (32, 32, 4)
+    assert chunk_fwd_intra._first_dividing_tile(128, 128) == chunk_fwd_intra.CONFIGS[0]
+
+
 def test_every_tile_compiles_for_sm90_without_spills():
     """Each tile, and the w/u kernel a backward without kept states launches, compiled for sm90 (Triton's ptxas, no
     GPU needed) at both reference shapes: within the block's shared memory, no spilled registers, no transpose of a
