@@ -75,3 +75,19 @@ def _why_flas_gpu_backward_cannot_run() -> str | None:
 
 _FLA_BACKWARD_MISSING = _why_flas_gpu_backward_cannot_run()
 needs_flas_gpu_backward = pytest.mark.skipif(_FLA_BACKWARD_MISSING is not None, reason=_FLA_BACKWARD_MISSING or "")
+
+
+def assert_op_on_kernels_matches_torch_backend(monkeypatch, module, function: str, kernels, seq_len: int,
+                                               keep_states: bool, gva: bool) -> None:
+    """The GDN custom op with `kernels` (a `GdnKernels`) chosen: outputs and all gradients within FLA's tolerances of
+    the torch backend (`test_gdn_gpu`'s case), and `module.function` really ran."""
+    from megatron_muon.ops import kernel_choice
+    from tests.ops import test_gdn_gpu
+
+    calls = []
+    original = getattr(module, function)
+    monkeypatch.setattr(module, function, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(kernel_choice, "_chosen", kernels)
+    qk_heads = test_gdn_gpu.HEADS // 2 if gva else test_gdn_gpu.HEADS
+    test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, True, False, qk_heads)
+    assert calls, f"{module.__name__}.{function} did not run"

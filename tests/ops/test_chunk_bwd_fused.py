@@ -11,7 +11,7 @@ import torch
 
 from megatron_muon.ops import chunk_bwd_fused, kernel_choice
 from tests.interpreter import run_under_interpreter
-from tests.ops.helpers import chunk_kernel_inputs
+from tests.ops.helpers import assert_op_on_kernels_matches_torch_backend, chunk_kernel_inputs
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SM90_SHARED_MEMORY_PER_BLOCK = 227 * 1024
@@ -143,12 +143,6 @@ def test_fused_backward_equals_the_two_kernels(shape, config):
 def test_gdn_op_on_the_fused_backward_matches_the_torch_backend(monkeypatch, seq_len, keep_states, gva):
     """The GDN custom op with output_grads "fused": outputs and all gradients within FLA's tolerances of the torch
     backend, and the one kernel really ran."""
-    from tests.ops import test_gdn_gpu
-
-    calls = []
-    fused = chunk_bwd_fused.chunk_bwd_fused
-    monkeypatch.setattr(chunk_bwd_fused, "chunk_bwd_fused", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
-    monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels(output_grads="fused"))
-    qk_heads = test_gdn_gpu.HEADS // 2 if gva else test_gdn_gpu.HEADS
-    test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, True, False, qk_heads)
-    assert calls
+    kernels = kernel_choice.GdnKernels(output_grads="fused")
+    assert_op_on_kernels_matches_torch_backend(monkeypatch, chunk_bwd_fused, "chunk_bwd_fused", kernels, seq_len,
+                                               keep_states, gva)

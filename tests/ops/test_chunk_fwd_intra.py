@@ -9,6 +9,7 @@ import torch
 
 from megatron_muon.ops import chunk_fwd_intra, kernel_choice
 from tests.interpreter import run_under_interpreter
+from tests.ops.helpers import assert_op_on_kernels_matches_torch_backend
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SM90_SHARED_MEMORY_PER_BLOCK = 227 * 1024
@@ -111,12 +112,6 @@ def _relative(got, want):
 def test_gdn_op_on_our_intra_kernel_matches_the_torch_backend(monkeypatch, seq_len, keep_states, gva):
     """The GDN custom op with intra "ours": outputs and all gradients within FLA's tolerances of the torch backend,
     and the one kernel really ran."""
-    from tests.ops import test_gdn_gpu
-
-    calls = []
-    intra = chunk_fwd_intra.chunk_fwd_intra
-    monkeypatch.setattr(chunk_fwd_intra, "chunk_fwd_intra", lambda *a, **kw: calls.append(1) or intra(*a, **kw))
-    monkeypatch.setattr(kernel_choice, "_chosen", kernel_choice.GdnKernels(intra="ours"))
-    qk_heads = test_gdn_gpu.HEADS // 2 if gva else test_gdn_gpu.HEADS
-    test_gdn_gpu.test_fla_gdn_matches_torch_backend(None, seq_len, keep_states, True, False, qk_heads)
-    assert calls
+    kernels = kernel_choice.GdnKernels(intra="ours")
+    assert_op_on_kernels_matches_torch_backend(monkeypatch, chunk_fwd_intra, "chunk_fwd_intra", kernels, seq_len,
+                                               keep_states, gva)
