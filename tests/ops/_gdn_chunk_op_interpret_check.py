@@ -14,6 +14,16 @@ from megatron_muon.ops.reference import naive_recurrent_gated_delta_rule  # noqa
 from tests.ops._state_tma_interpret_check import relative  # noqa: E402
 
 
+def recurrence_reference(q, k, v, g, beta, h0, do, dht, scale):
+    """[o, final state, dq, dk, dv, dg, dβ, dh0] of the token-by-token recurrence in fp64, for the loss
+    Σ o·do + Σ final·dht."""
+    leaves = [t.double().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    o, final = naive_recurrent_gated_delta_rule(*leaves[:5], scale=scale, initial_state=leaves[5],
+                                                output_final_state=True)
+    loss = (o * do.double()).sum() + (final * dht.double()).sum()
+    return [o, final, *torch.autograd.grad(loss, leaves)]
+
+
 def main():
     kernel_choice.set_gdn_kernels(kernel_choice.GdnKernels("triton", "fused", "fused", "ours"))
     gen = torch.Generator().manual_seed(7)
@@ -41,13 +51,9 @@ def main():
         grads = fla_backend.gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, h0, None, do,
                                          dht)
 
-        leaves = [t.double().requires_grad_() for t in (q, k, v, g, beta, h0)]
-        want_o, want_final = naive_recurrent_gated_delta_rule(*leaves[:5], scale=scale, initial_state=leaves[5],
-                                                              output_final_state=True)
-        loss = (want_o * do.double()).sum() + (want_final * dht.double()).sum()
-        want_grads = torch.autograd.grad(loss, leaves)
+        want_o, want_final, *want_grads = recurrence_reference(q, k, v, g, beta, h0, do, dht, scale)
         assert o.dtype == v.dtype and final.dtype == torch.float32
-        assert [t.shape for t in grads] == [t.shape for t in leaves]
+        assert [t.shape for t in grads] == [t.shape for t in (q, k, v, g, beta, h0)]
         assert [t.dtype for t in grads] == [t.dtype for t in (q, k, v, g, beta, h0)]
         # fp16 tensors (w, u, h, v_new, the inverse, every gradient) between fp32-accumulating kernels
         errors = {"o": relative(o, want_o), "final": relative(final, want_final)}
