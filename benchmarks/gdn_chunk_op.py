@@ -37,6 +37,8 @@ STAGE_VARIANTS = [("states: fla", GdnKernels("fla", "ours")), ("states: triton",
                   ("output terms: fused", GdnKernels(output_terms="fused")),
                   ("output terms and grads: fused", GdnKernels(output_terms="fused", output_grads="fused")),
                   ("output terms: backward only", GdnKernels(output_terms="backward")),
+                  ("fused terms, fused grads, intra ours", GdnKernels(output_terms="fused", output_grads="fused",
+                                                                      intra="ours")),
                   ("all stages: fla", GdnKernels("fla", "fla"))]
 
 
