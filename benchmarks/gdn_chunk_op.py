@@ -29,13 +29,14 @@ from megatron_muon.ops.gdn_flashqla import qualifies
 
 REFERENCE_VARIANT = "FlashQLA chunk op (direct)"
 # (variant suffix, kernels per stage) beside the default ("gluon" states, "ours" output gradients); each changes one
-# stage of the default or of the "fused" preset
+# stage of the default, of the "fused" preset or of a variant timed before it
 STAGE_VARIANTS = [("states: fla", GdnKernels("fla", "ours")), ("states: triton", GdnKernels("triton", "ours")),
                   ("output grads: fla", GdnKernels("gluon", "fla")),
                   ("output grads: fused", GdnKernels(output_grads="fused")),
                   ("intra: ours", GdnKernels(intra="ours")),
                   ("output terms: fused", GdnKernels(output_terms="fused")),
                   ("output terms and grads: fused", GdnKernels(output_terms="fused", output_grads="fused")),
+                  ("output terms: fused, intra: ours", GdnKernels(output_terms="fused", intra="ours")),
                   ("output terms: backward only", GdnKernels(output_terms="backward")),
                   ("fused terms, fused grads, intra ours", GdnKernels(output_terms="fused", output_grads="fused",
                                                                       intra="ours")),
