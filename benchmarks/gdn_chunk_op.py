@@ -29,7 +29,7 @@ from megatron_muon.ops.gdn_flashqla import qualifies
 
 REFERENCE_VARIANT = "FlashQLA chunk op (direct)"
 # (variant suffix, kernels per stage) beside the default ("gluon" states, "ours" output gradients); each changes one
-# stage of the default, of the "fused" preset or of a variant timed before it
+# stage of the default or of a variant timed before it
 STAGE_VARIANTS = [("states: fla", GdnKernels("fla", "ours")), ("states: triton", GdnKernels("triton", "ours")),
                   ("output grads: fla", GdnKernels("gluon", "fla")),
                   ("output grads: fused", GdnKernels(output_grads="fused")),
