@@ -46,7 +46,8 @@ REFERENCE = dict(hidden=2048, key_heads=6, value_heads=6, key_dim=256, value_dim
 QWEN3_NEXT = dict(hidden=2048, key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv=4)
 TINY = dict(hidden=64, key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv=4)
 SIZES = {"hybrid-1.5b": REFERENCE, "qwen3-next": QWEN3_NEXT, "tiny": TINY}
-PROFILED = ("ours compiled", "fla eager", "ours chunk op", "ours chunk op (output terms: fused)", REFERENCE_VARIANT)
+PROFILED = ("ours compiled", "fla eager", "ours chunk op", "ours chunk op (output terms: fused)",
+            "ours chunk op (intra: ours)", "ours chunk op (fused terms, fused grads, intra ours)", REFERENCE_VARIANT)
 
 
 def timed_ms(fn, device: str, warmup: int, reps: int) -> tuple[float, float, float, float]:
@@ -215,6 +216,7 @@ def run_variant(name, make_step, device, args, compiled=False, profiles=None):
             if host:
                 profiles[name] += host_markdown(host, row.get("host_ms"))
             profiles[name] += python_table(step, device)
+            print("\n".join(profiles[name]), flush=True)  # in the log too, should a time limit cut the run
     except Exception as error:  # one broken baseline must not hide the others
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
         traceback.print_exc()
