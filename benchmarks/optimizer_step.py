@@ -60,11 +60,7 @@ GRAPHED = "ours (auto, MegaBatch, fused splits, CUDA graph)"
 FOUR_STEPS = "ours (auto, MegaBatch, fused splits, CUDA graph, polar_express×4)"
 HEADS_GRAPHED = "ours (auto, MegaBatch, heads split, CUDA graph)"
 HEADS_FOUR_STEPS = "ours (auto, MegaBatch, heads split, CUDA graph, polar_express×4)"
-OVERLAPPED = "ours (auto, MegaBatch, fused splits, stacks overlapped)"
-GRAPHED_OVERLAPPED = "ours (auto, MegaBatch, fused splits, CUDA graph, stacks overlapped)"
-HEADS_FOUR_OVERLAPPED = "ours (auto, MegaBatch, heads split, CUDA graph, polar_express×4, stacks overlapped)"
-# the CUDA-graph rows: kernel time without host gaps
-PROFILED = (GRAPHED, FOUR_STEPS, HEADS_FOUR_STEPS, GRAPHED_OVERLAPPED)
+PROFILED = (GRAPHED, FOUR_STEPS, HEADS_FOUR_STEPS)  # the CUDA-graph rows: kernel time without host gaps
 
 
 def reference_params(device, scale: int, shapes: str = "hybrid-1.5b"):
@@ -235,12 +231,6 @@ def make_variants(has_cuda: bool, qkv_sections: list[int]):
                                                     graph_newton_schulz=True)),
         HEADS_FOUR_STEPS: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", split_heads=True, ns_steps=4,
                                                        coefficients="polar_express", graph_newton_schulz=True)),
-        OVERLAPPED: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", overlap_stacks=True)),
-        GRAPHED_OVERLAPPED: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", graph_newton_schulz=True,
-                                                         overlap_stacks=True)),
-        HEADS_FOUR_OVERLAPPED: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", split_heads=True,
-                                                            ns_steps=4, coefficients="polar_express",
-                                                            graph_newton_schulz=True, overlap_stacks=True)),
     }
     try:
         from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS, TensorParallelMuon
@@ -286,7 +276,7 @@ def main() -> None:
         keep = ("fused AdamW, all params", "fused AdamW, non-matrix rest", "ours (auto, MegaBatch, fused splits)",
                 "ours (auto, MegaBatch, fused splits, fused elementwise off)",
                 "ours (auto, MegaBatch, fused splits, one launch per piece)", GRAPHED, HEADS, FOUR_STEPS, HEADS_GRAPHED,
-                HEADS_FOUR_STEPS, OVERLAPPED, GRAPHED_OVERLAPPED, HEADS_FOUR_OVERLAPPED)
+                HEADS_FOUR_STEPS)
         variants = {k: v for k, v in variants.items() if k in keep}
     for name, (which, factory) in variants.items():
         restore()

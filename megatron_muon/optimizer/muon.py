@@ -24,7 +24,7 @@ from megatron_muon.kernels.newton_schulz import work_dtype
 from megatron_muon.kernels.settings import Orthogonalizer
 from megatron_muon.optimizer import fused_elementwise as fused_passes
 from megatron_muon.optimizer import fused_pieces
-from megatron_muon.optimizer import muon_math, stack_overlap
+from megatron_muon.optimizer import muon_math
 from megatron_muon.optimizer.routing import (
     MatrixLayout,
     assert_pieces_cover_params,
@@ -101,8 +101,6 @@ class Muon(torch.optim.Optimizer):
             update, each as one pass per matrix piece instead of several torch passes (same rounding).
         graph_newton_schulz: replay the step's momentum stacks and Newton–Schulz from a CUDA graph once its tensors
             and settings repeat (`step_graphs`); bit-identical results, one launch instead of hundreds.
-        overlap_stacks: on CUDA, build the momentum stacks on a side stream while Newton–Schulz runs
-            (`stack_overlap`); bit-identical results.
     """
 
     def __init__(
@@ -131,7 +129,6 @@ class Muon(torch.optim.Optimizer):
         check_finite: bool = True,
         fused_elementwise="auto",
         graph_newton_schulz: bool = False,
-        overlap_stacks: bool = False,
     ):
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -161,7 +158,6 @@ class Muon(torch.optim.Optimizer):
         fused_passes.check_setting(fused_elementwise)
         self.fused_elementwise = fused_elementwise
         self.graph_newton_schulz = graph_newton_schulz
-        self.overlap_stacks = overlap_stacks
         self.step_graphs = StepGraphs(STACK_KEYS, freeze_setting)
         self._plan_cache: tuple[tuple, Plan] | None = None
         # megatron's deferred clip (`megatron.clip_deferral`): the next step multiplies each gradient by this
@@ -353,7 +349,7 @@ class Muon(torch.optim.Optimizer):
 
         def compute(factor):
             before = self.orthogonalized_matrices
-            results = self._bucket_results(plan, sources, factor)
+            results = [self._bucket_update(i, bucket, plan, sources, factor) for i, bucket in enumerate(plan.buckets)]
             matrices, self.orthogonalized_matrices = self.orthogonalized_matrices - before, before
             return results, matrices  # counted once per step below, replayed or not
 
@@ -367,33 +363,12 @@ class Muon(torch.optim.Optimizer):
     def _graph_step(self) -> bool:
         return self.graph_newton_schulz and self.step_graphs.graphs.disabled is None
 
-    def _bucket_results(self, plan: Plan, sources, factor) -> list:
-        """Every bucket's (orthogonalized updates, full shape): a result computed ahead of the step where there is
-        one, else its stack and Newton–Schulz, the stacks on a side stream where `overlap_stacks`."""
-        results = [self._ready_update(i) for i in range(len(plan.buckets))]
-        todo = [i for i, result in enumerate(results) if result is None]
-
-        def build(k: int) -> torch.Tensor:
-            bucket = plan.buckets[todo[k]]
-            with record_function(f"muon.stack_momentum {bucket.shape}"):
-                return self._stack_updates(bucket, plan, sources, factor)
-
-        def consume(k: int, stacked: torch.Tensor):
-            bucket = plan.buckets[todo[k]]
-            with record_function(f"muon.orthogonalize {bucket.shape}"):
-                return self._orthogonalize_bucket(bucket, stacked, narrow_result=self._narrow(bucket, plan))
-
-        if self.overlap_stacks:
-            computed = stack_overlap.overlapped(len(todo), build, consume, plan.params[0].device)
-        else:
-            computed = [consume(k, build(k)) for k in range(len(todo))]
-        for i, result in zip(todo, computed):
-            results[i] = result
-        return results
-
-    def _ready_update(self, bucket_index: int):
-        """A bucket's result computed ahead of the step (`WaveMuon`'s speculation); None: compute it now."""
-        return None
+    def _bucket_update(self, bucket_index: int, bucket: Bucket, plan: Plan, sources, factor):
+        """The bucket's orthogonalized momentum updates (stacked) and its full matrix shape."""
+        with record_function(f"muon.stack_momentum {bucket.shape}"):
+            stacked = self._stack_updates(bucket, plan, sources, factor)
+        with record_function(f"muon.orthogonalize {bucket.shape}"):
+            return self._orthogonalize_bucket(bucket, stacked, narrow_result=self._narrow(bucket, plan))
 
     @staticmethod
     def _narrow(bucket: Bucket, plan: Plan) -> bool:

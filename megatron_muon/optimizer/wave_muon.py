@@ -250,5 +250,8 @@ class WaveMuon(Muon):
         shape[partition_dim] *= tp
         return shape[0], shape[1]
 
-    def _ready_update(self, bucket_index: int):
-        return getattr(self, "_for_step", {}).get(bucket_index)
+    def _bucket_update(self, bucket_index: int, bucket: Bucket, plan: Plan, sources, factor):
+        ready = getattr(self, "_for_step", {}).get(bucket_index)
+        if ready is not None:
+            return ready
+        return super()._bucket_update(bucket_index, bucket, plan, sources, factor)

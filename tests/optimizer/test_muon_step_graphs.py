@@ -19,11 +19,9 @@ def _params(device):
     return params
 
 
-def _train(params, graphed: bool, steps: int, swap_at: int | None = None, factor_from: int | None = None,
-           overlap: bool = False):
+def _train(params, graphed: bool, steps: int, swap_at: int | None = None, factor_from: int | None = None):
     device = params[0].device
-    optimizer = Muon(params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, graph_newton_schulz=graphed,
-                     overlap_stacks=overlap)
+    optimizer = Muon(params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, graph_newton_schulz=graphed)
     grads = [torch.zeros_like(p) for p in params]
     generator = torch.Generator(device=device).manual_seed(1)
     for step in range(steps):
@@ -63,29 +61,11 @@ def test_graph_replay_gives_the_eager_steps_parameters_bit_for_bit():
     assert optimizer.orthogonalized_matrices == reference.orthogonalized_matrices
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("graphed", [False, True])
-def test_stacks_built_on_a_side_stream_give_the_sequential_steps_bit_for_bit(graphed):
-    initial = _params("cuda")
-    sequential, overlapped = copy.deepcopy(initial), copy.deepcopy(initial)
-    reference = _train(sequential, graphed=False, steps=7, swap_at=5, factor_from=3)
-    optimizer = _train(overlapped, graphed=graphed, steps=7, swap_at=5, factor_from=3, overlap=True)
-    torch.cuda.synchronize()
-    for ours, theirs in zip(overlapped, sequential):
-        assert torch.equal(ours, theirs)
-    for ours, theirs in zip(_momenta(optimizer), _momenta(reference)):
-        assert torch.equal(ours, theirs)
-    graphs = optimizer.step_graphs.graphs
-    assert graphs.disabled is None
-    assert graphs.captures == (3 if graphed else 0)
-
-
 def test_on_cpu_the_flag_runs_eagerly_with_the_same_result():
     initial = _params("cpu")
     eager, graphed = copy.deepcopy(initial), copy.deepcopy(initial)
     _train(eager, graphed=False, steps=3, factor_from=1)
-    optimizer = _train(graphed, graphed=True, steps=3, factor_from=1, overlap=True)
+    optimizer = _train(graphed, graphed=True, steps=3, factor_from=1)
     for ours, theirs in zip(graphed, eager):
         assert torch.equal(ours, theirs)
     assert optimizer.step_graphs.graphs.captures == 0
