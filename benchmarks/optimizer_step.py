@@ -145,21 +145,40 @@ def _stack_builder(optimizer: Muon, device):
     return plan, lambda: [optimizer._stack_updates(b, plan, sources, None) for b in plan.buckets]
 
 
+def replayed_ms(call, device, warmup: int, repeats: int) -> float | None:
+    """Median milliseconds of `call` replayed from a CUDA graph (device time without host gaps); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    for _ in range(warmup):
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    ms = timed(graph.replay, device, 1, repeats)
+    del graph
+    return ms
+
+
 @torch.no_grad()
-def ns_per_stack(optimizer: Muon, device, warmup: int, repeats: int) -> list[tuple[str, str, float]]:
-    """(stack [count, rows, cols], NS method, ms) for each batched orthogonalize call of a step, each timed alone:
-    which stacks the Newton–Schulz time goes to."""
+def ns_per_stack(optimizer: Muon, device, warmup: int, repeats: int) -> list[tuple[str, str, float, float | None]]:
+    """(stack [count, rows, cols], NS method, ms, ms from a CUDA graph) for each batched orthogonalize call of a
+    step, each timed alone: which stacks the Newton–Schulz time goes to, with and without the host's launches."""
     from megatron_muon.kernels.newton_schulz import choose_method
 
     plan, stack_all = _stack_builder(optimizer, device)
     rows = []
     for bucket, stacked in zip(plan.buckets, stack_all()):
-        ms = timed(lambda: optimizer._orthogonalize_bucket(bucket, stacked, True), device, warmup, repeats)
+        call = lambda: optimizer._orthogonalize_bucket(bucket, stacked, True)  # noqa: E731
+        ms = timed(call, device, warmup, repeats)
         method = optimizer.param_groups[bucket.group_index]["method"]
         if method == "auto":
             method = f"auto: {choose_method(*stacked.shape[-2:])}"
-        rows.append((" × ".join(map(str, stacked.shape)), method, ms))
+        rows.append((" × ".join(map(str, stacked.shape)), method, ms, replayed_ms(call, device, warmup, repeats)))
     return sorted(rows, key=lambda row: -row[2])
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 class _PerPieceMuon(Muon):
@@ -339,10 +358,13 @@ def main() -> None:
               "kernels, graph launches, copies):", "", "| optimizer step | CPU ms | launches |", "|---|---:|---:|"]
     table += [f"| {name} | {cpu_ms:.2f} | {launches:.0f} |" for name, (cpu_ms, launches) in host.items()]
     for title, rows_of in (("", stacks), (f", {HEADS}", head_stacks)):
-        table += ["", f"Newton–Schulz per stack{title} (each batched call of one step timed alone, slowest first):",
-                  "", "| stack (count × rows × cols) | method | ms |", "|---|---|---:|"]
-        table += [f"| {shape} | {method} | {ms:.2f} |" for shape, method, ms in rows_of]
-        table += [f"| all stacks, summed | | {sum(ms for _, _, ms in rows_of):.2f} |"]
+        table += ["", f"Newton–Schulz per stack{title} (each batched call of one step timed alone, slowest first; "
+                  "'from a CUDA graph': the same call replayed, the GPU's time without host gaps):",
+                  "", "| stack (count × rows × cols) | method | ms | from a CUDA graph, ms |", "|---|---|---:|---:|"]
+        table += [f"| {shape} | {method} | {ms:.2f} | {_ms(graph_ms)} |" for shape, method, ms, graph_ms in rows_of]
+        graphed = [graph_ms for *_, graph_ms in rows_of]
+        table += [f"| all stacks, summed | | {sum(row[2] for row in rows_of):.2f} | "
+                  f"{_ms(None if None in graphed else sum(graphed))} |"]
     table += profiles
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
     import triton
