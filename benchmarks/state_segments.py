@@ -1,0 +1,88 @@
+"""GDN's chunk-state recurrences cut into segments run side by side as batch rows (`ops/state_segments.py`, the exact
+form: pass 1 and the transitions on the same kernel, a scan, pass 3) against the same kernel walking the whole
+sequence, at the hybrid-1.5B's heads (6, key 256, value 512) and Qwen3-Next's (16 key / 32 value heads of 128),
+16k tokens, bf16; each row gives the largest difference from the sequential kernel's states.
+
+    python benchmarks/state_segments.py --out benchmarks/results/state_segments.md   # an sm90 GPU with FLA
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_muon from this checkout
+
+from bench_env import emit_markdown, gdn_chunk_inputs, gpu_result_header  # noqa: E402
+
+SHAPES = {"hybrid-1.5b": dict(heads=6, value_heads=6, key_dim=256, value_dim=512),
+          "qwen3-next": dict(heads=16, value_heads=32, key_dim=128, value_dim=128)}
+SEGMENTS = (1, 2, 4, 8)
+
+
+def calls(q, k, w, u, do, dv, g, module, segments: int):
+    """(forward call, backward call) on `module`'s kernels; 1 segment: the sequential kernel itself."""
+    from megatron_muon.ops.state_segments import batched_segments_backward, batched_segments_forward
+
+    scale = k.shape[-1] ** -0.5
+
+    def forward(k, w, u, g, initial_state):
+        return module.chunk_fwd_h(k, w, u, g, initial_state, True)
+
+    def backward(q, k, w, g, do, dv, scale, dht):
+        return module.chunk_dhu(q, k, w, g, do, dv, scale, dht, True)
+
+    if segments == 1:
+        return (lambda: forward(k, w, u, g, None)), (lambda: backward(q, k, w, g, do, dv, scale, None))
+    return (lambda: batched_segments_forward(forward, k, w, u, g, segments=segments),
+            lambda: batched_segments_backward(backward, q, k, w, g, do, dv, scale, segments=segments))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("state_segments.py times CUDA kernels; run it on an sm90 GPU with FLA installed")
+    from triton.testing import do_bench
+
+    from megatron_muon.ops import state_tma, state_ws
+
+    lines = gpu_result_header(
+        "GDN chunk-state recurrences in segments side by side (exact form) against the sequential kernels",
+        "state_segments.py", sys.argv[1:], f"batch 1, {args.seq_len} tokens, chunk 64, states value-first; "
+        f"{args.rounds} alternated rounds of triton.testing.do_bench, median (min-max) ms")
+    lines += ["", "| heads | kernel | recurrence | segments | ms | speed-up over sequential | "
+              "largest difference in the states |",
+              "|---|---|---|---:|---:|---:|---:|"]
+    for shape, sizes in SHAPES.items():
+        inputs = gdn_chunk_inputs(1, args.seq_len, sizes["heads"], sizes["key_dim"], sizes["value_dim"],
+                                  value_heads=sizes["value_heads"])
+        for kernel, module in (("Gluon", state_ws), ("Triton", state_tma)):
+            table = {s: calls(*inputs, module, s) for s in SEGMENTS}
+            outputs = {s: (pair[0](), pair[1]()) for s, pair in table.items()}
+            times = {(s, i): [] for s in SEGMENTS for i in range(2)}
+            for _ in range(args.rounds):
+                for s, pair in table.items():
+                    for i, call in enumerate(pair):
+                        times[(s, i)].append(do_bench(call, warmup=20, rep=200))
+            for i, recurrence in enumerate(("forward", "backward")):
+                sequential = statistics.median(times[(1, i)])
+                for s in SEGMENTS:
+                    spread = times[(s, i)]
+                    states, expected = outputs[s][i][0], outputs[1][i][0]
+                    difference = (states.float() - expected.float()).abs().max().item()
+                    lines.append(f"| {shape} | {kernel} | {recurrence} | {s} | {statistics.median(spread):.3f} "
+                                 f"({min(spread):.3f}-{max(spread):.3f}) | "
+                                 f"{sequential / statistics.median(spread):.2f} | {difference:.3g} |")
+    emit_markdown(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
