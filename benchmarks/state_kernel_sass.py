@@ -97,9 +97,9 @@ def backward_kernel(shape: str, block_v: int, warps: int, stages: int, local_dv:
     value_tile = f"tensordesc<bf16[1,64,{block_v}]>"
     signature = {"q_desc": KEY_TILE, "k_desc": KEY_TILE, "w_desc": KEY_TILE, "do_desc": value_tile,
                  "dv_desc": value_tile, "g": "*fp32", "dht": "*fp32", "dh": "*bf16", "dv2": "*bf16", "dh0": "*fp32",
-                 "scale": "fp32", "T": "i32", "NT": "i32"}
+                 "skip": "*i32", "scale": "fp32", "T": "i32", "NT": "i32"}
     constants = dict(H=heads, GROUP=group, K=key_dim, V=value_dim, BT=64, BV=block_v, STAGES=stages,
-                     USE_FINAL_STATE_GRADIENT=False, USE_INITIAL_STATE=False, LOCAL_DV=local_dv)
+                     USE_FINAL_STATE_GRADIENT=False, USE_INITIAL_STATE=False, LOCAL_DV=local_dv, SKIP=False)
     return compile_sm90(state_tma._chunk_state_bwd_kernel, signature | dict.fromkeys(constants, "constexpr"),
                         constants, warps)
 
@@ -133,10 +133,11 @@ def forward_kernel(shape: str, block_v: int, warps: int, stages: int, store_stat
     key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
     signature = {"q_desc": KEY_TILE, "k_desc": KEY_TILE, "w_desc": KEY_TILE,
                  "u_desc": f"tensordesc<bf16[1,64,{block_v}]>", "g": "*fp32", "h0": "*fp32", "h": "*bf16",
-                 "v_new": "*bf16", "o": "*bf16", "ht": "*fp32", "scale": "fp32", "T": "i32", "NT": "i32"}
+                 "v_new": "*bf16", "o": "*bf16", "ht": "*fp32", "skip": "*i32", "scale": "fp32", "T": "i32",
+                 "NT": "i32"}
     constants = dict(H=heads, GROUP=group, K=key_dim, V=value_dim, BT=64, BV=block_v, STAGES=stages,
                      USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, STORE_STATES=store_states,
-                     WITH_OUTPUT=with_output)
+                     WITH_OUTPUT=with_output, SKIP=False)
     return compile_sm90(state_tma._chunk_state_fwd_kernel, signature | dict.fromkeys(constants, "constexpr"),
                         constants, warps)
 

@@ -235,3 +235,70 @@ def batched_segments_backward(backward, q, k, w, g, do, dv, scale: float, dht=No
     dh, dh0, dv2 = backward(fq, fk, fw, fg, fdo, fdv, scale, torch.stack(ends, 1).flatten(0, 1))
     return (dh.reshape(batch, -1, *dh.shape[2:]), dh0.view(batch, segments, *dh0.shape[1:])[:, 0],
             dv2.reshape(batch, seq_len, *dv2.shape[2:]))
+
+
+def _windows(g, segments: int, chunk: int, drop_log2: float, reverse: bool):
+    """(chunks per segment, skip [B·S, HV] int32 for pass 1, skip for the transitions, exact [B, S, HV, 1, 1]):
+    pass 1 runs each segment's window (none for the segment nobody reads: the last forward, the first backward);
+    the transitions run only where the segment is exact."""
+    batch, seq_len, heads = g.shape
+    _check_segments(seq_len, segments, chunk)
+    length = seq_len // (segments * chunk)
+    plan = plan_segments(g, length, chunk, drop_log2, reverse=reverse)
+    window, exact = plan.window.transpose(1, 2), plan.exact.transpose(1, 2)  # [B, S, HV]
+    skip = (length - window).to(torch.int32)
+    skip[:, 0 if reverse else -1] = length
+    transition_skip = torch.where(exact, 0, length).to(torch.int32)
+    return (length, skip.flatten(0, 1), transition_skip.flatten(0, 1),
+            exact.to(torch.float32)[..., None, None])
+
+
+def windowed_segments_forward(kernels, k, w, u, g, initial_state=None, *, segments: int, chunk: int = 64,
+                              drop_log2: float = DEFAULT_DROP_LOG2):
+    """The three passes with the plan's windows on kernels that start each (row, head) some chunks in
+    (`state_tma.chunk_forward(..., skip_chunks=)`): pass 1 runs only the windows, the transitions only the exact
+    segments; (h, v_new, final state) as `segmented_state_forward` computes them."""
+    batch, seq_len, heads, key_dim = w.shape
+    value_dim = u.shape[-1]
+    _, skip, transition_skip, exact = _windows(g, segments, chunk, drop_log2, reverse=False)
+    fk, fw, fu, fg = (_fold(t, segments) for t in (k, w, u, g))
+    local = kernels.chunk_forward(fk, fw, fu, fg, None, True, store_states=False, skip_chunks=skip)[3]
+    identity = torch.eye(key_dim, dtype=torch.float32, device=k.device).expand(batch * segments, heads, key_dim,
+                                                                               key_dim).contiguous()
+    maps = kernels.chunk_forward(fk, fw, torch.zeros_like(fw), fg, identity, True, store_states=False,
+                                 skip_chunks=transition_skip)[3]
+    local = local.view(batch, segments, heads, value_dim, key_dim)
+    maps = maps.view(batch, segments, heads, key_dim, key_dim)
+    start = (torch.zeros(batch, heads, value_dim, key_dim, dtype=torch.float32, device=k.device)
+             if initial_state is None else initial_state.float())
+    starts = [start]
+    for s in range(segments - 1):
+        starts.append(local[:, s] + exact[:, s] * (starts[-1] @ maps[:, s]))
+    h, v_new, final = kernels.chunk_fwd_h(fk, fw, fu, fg, torch.stack(starts, 1).flatten(0, 1), True)
+    return (h.reshape(batch, -1, *h.shape[2:]), v_new.reshape(batch, seq_len, *v_new.shape[2:]),
+            final.view(batch, segments, *final.shape[1:])[:, -1])
+
+
+def windowed_segments_backward(kernels, q, k, w, g, do, dv, scale: float, dht=None, *, segments: int,
+                               chunk: int = 64, drop_log2: float = DEFAULT_DROP_LOG2):
+    """The mirrored passes with windows at each segment's start (`state_tma.chunk_dhu(..., skip_chunks=)`);
+    (dh, dh0, dv2) as `segmented_state_backward` computes them."""
+    batch, seq_len, heads, key_dim = w.shape
+    value_dim = do.shape[-1]
+    _, skip, transition_skip, exact = _windows(g, segments, chunk, drop_log2, reverse=True)
+    fq, fk, fw, fg, fdo, fdv = (_fold(t, segments) for t in (q, k, w, g, do, dv))
+    local = kernels.chunk_dhu(fq, fk, fw, fg, fdo, fdv, scale, None, True, skip_chunks=skip)[1]
+    identity = torch.eye(key_dim, dtype=torch.float32, device=q.device).expand(batch * segments, heads, key_dim,
+                                                                               key_dim).contiguous()
+    nothing = torch.zeros_like(fw)
+    maps = kernels.chunk_dhu(fq, fk, fw, fg, nothing, nothing, scale, identity, True, skip_chunks=transition_skip)[1]
+    local = local.view(batch, segments, heads, value_dim, key_dim)
+    maps = maps.view(batch, segments, heads, key_dim, key_dim)
+    end = (torch.zeros(batch, heads, value_dim, key_dim, dtype=torch.float32, device=q.device) if dht is None
+           else dht.float())
+    ends = [end]
+    for s in range(segments - 1, 0, -1):
+        ends.insert(0, local[:, s] + exact[:, s] * (ends[0] @ maps[:, s]))
+    dh, dh0, dv2 = kernels.chunk_dhu(fq, fk, fw, fg, fdo, fdv, scale, torch.stack(ends, 1).flatten(0, 1), True)
+    return (dh.reshape(batch, -1, *dh.shape[2:]), dh0.view(batch, segments, *dh0.shape[1:])[:, 0],
+            dv2.reshape(batch, seq_len, *dv2.shape[2:]))

@@ -136,14 +136,15 @@ if triton is not None:
 
     @triton.jit
     def _chunk_state_fwd_kernel(
-        q_desc, k_desc, w_desc, u_desc, g, h0, h, v_new, o, ht, scale, T, NT,
+        q_desc, k_desc, w_desc, u_desc, g, h0, h, v_new, o, ht, skip, scale, T, NT,
         H: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
         STAGES: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-        STORE_STATES: tl.constexpr, WITH_OUTPUT: tl.constexpr,
+        STORE_STATES: tl.constexpr, WITH_OUTPUT: tl.constexpr, SKIP: tl.constexpr,
     ):  # fmt: skip
         """The state in key slices of 64 columns (as FLA keeps it): each product's operands stay small enough for
         the registers; the slices' tiles still come through TMA. STORE_STATES writes h and v_new; WITH_OUTPUT also
-        computes the output (`ops/chunk_fwd_fused.py`; q_desc, o and scale are unused without it)."""
+        computes the output (`ops/chunk_fwd_fused.py`; q_desc, o and scale are unused without it). With SKIP the
+        program starts at chunk skip[b, h], its state there the initial one (`ops/state_segments.py`'s windows)."""
         KS: tl.constexpr = 64
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1).to(tl.int64)
@@ -155,7 +156,8 @@ if triton is not None:
         key_column = (i_h // GROUP * K).to(tl.int32)  # k's (and q's) head
         rows = tl.arange(0, BT)
         causal = rows[:, None] <= rows[None, :]  # [j, i]: token j at or before token i
-        for i_t in tl.range(0, NT, num_stages=STAGES):
+        first = tl.load(skip + i_bh) if SKIP else 0
+        for i_t in tl.range(first, NT, num_stages=STAGES):
             t0 = i_t * BT
             batch = i_b.to(tl.int32)
             b_vt = tl.zeros([BV, BT], dtype=tl.float32)  # S·wᵀ, then v_newᵀ
@@ -218,13 +220,14 @@ if triton is not None:
 
     @triton.jit
     def _chunk_state_bwd_kernel(
-        q_desc, k_desc, w_desc, do_desc, dv_desc, g, dht, dh, dv2, dh0, scale, T, NT,
+        q_desc, k_desc, w_desc, do_desc, dv_desc, g, dht, dh, dv2, dh0, skip, scale, T, NT,
         H: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
         STAGES: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-        LOCAL_DV: tl.constexpr,
+        LOCAL_DV: tl.constexpr, SKIP: tl.constexpr,
     ):  # fmt: skip
         """The state gradient in key slices of 64 columns, as in the forward. With LOCAL_DV the chunk's own value
-        gradient is computed here (`_local_dv_t`) instead of read from dv."""
+        gradient is computed here (`_local_dv_t`) instead of read from dv. With SKIP the program leaves out the
+        last skip[b, h] chunks, its gradient entering the chunk before them the given final one."""
         KS: tl.constexpr = 64
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1).to(tl.int64)
@@ -234,7 +237,8 @@ if triton is not None:
         b_dh0, b_dh1, b_dh2, b_dh3 = _load_slices(dht, state, USE_FINAL_STATE_GRADIENT, K, BV, KS)
         column = (i_h * K).to(tl.int32)  # w's head
         key_column = (i_h // GROUP * K).to(tl.int32)  # q's and k's head
-        for i in tl.range(0, NT, num_stages=STAGES):
+        first = tl.load(skip + i_bh) if SKIP else 0
+        for i in tl.range(first, NT, num_stages=STAGES):
             i_t = NT - 1 - i
             t0 = i_t * BT
             batch = i_b.to(tl.int32)
@@ -306,6 +310,14 @@ def _descriptor(t: torch.Tensor, block_cols: int):
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, CHUNK, block_cols])
 
 
+def _skips(skip_chunks, batch: int, heads: int):
+    """The kernels' per-(row, head) chunk skips, int32 [B·HV] (None: none)."""
+    if skip_chunks is None:
+        return None
+    assert skip_chunks.shape == (batch, heads), f"skip_chunks {tuple(skip_chunks.shape)} != {(batch, heads)}"
+    return skip_chunks.to(torch.int32).contiguous()
+
+
 def _tile(value_dim: int, config, table):
     block_v, warps, stages = config or (_INTERPRETER_CONFIG if _INTERPRETING else table[0])
     if value_dim % block_v:
@@ -313,16 +325,17 @@ def _tile(value_dim: int, config, table):
     return block_v, warps, stages
 
 
-def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False, config=None):
+def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False, config=None, skip_chunks=None):
     """(h [B, NT, HV, V, K], v_new like u, final state [B, HV, V, K] fp32 or None) as FLA's value-first
     `chunk_gated_delta_rule_fwd_h`, with k [B, T, H, K] and w [B, T, HV, K]; `config` = (BV, warps, stages) pins a
-    tile."""
-    h, v_new, _, final = chunk_forward(k, w, u, g, initial_state, output_final_state, config)
+    tile; `skip_chunks` (int32 [B, HV]): each (row, head) starts that many chunks in, from the initial state (the
+    states of the chunks it leaves out are not written)."""
+    h, v_new, _, final = chunk_forward(k, w, u, g, initial_state, output_final_state, config, skip_chunks=skip_chunks)
     return h, v_new, final
 
 
 def chunk_forward(k, w, u, g, initial_state=None, output_final_state: bool = False, config=None, *, q=None,
-                  scale: float = 1.0, store_states: bool = True, configs=FORWARD_CONFIGS):
+                  scale: float = 1.0, store_states: bool = True, configs=FORWARD_CONFIGS, skip_chunks=None):
     """The forward state kernel's launcher: (h, v_new, o, final state), each None where not asked for. With q the
     kernel also computes the output o = scale·(...) (`ops/chunk_fwd_fused.py`); `store_states` writes h and v_new;
     `configs` is the tile table whose first entry is the default."""
@@ -338,18 +351,20 @@ def chunk_forward(k, w, u, g, initial_state=None, output_final_state: bool = Fal
     k_tiles = _descriptor(k, KEY_SLICE)
     _chunk_state_fwd_kernel[(value_dim // block_v, batch * heads)](
         k_tiles if q is None else _descriptor(q, KEY_SLICE), k_tiles, _descriptor(w, KEY_SLICE),
-        _descriptor(u, block_v), g.contiguous(), h0, h, v_new, o, final, float(scale), seq_len, chunks, H=heads,
-        GROUP=heads // k.shape[2], K=key_dim, V=value_dim, BT=CHUNK, BV=block_v, STAGES=stages,
-        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state, STORE_STATES=store_states,
-        WITH_OUTPUT=q is not None, num_warps=warps,
+        _descriptor(u, block_v), g.contiguous(), h0, h, v_new, o, final, _skips(skip_chunks, batch, heads),
+        float(scale), seq_len, chunks, H=heads, GROUP=heads // k.shape[2], K=key_dim, V=value_dim, BT=CHUNK,
+        BV=block_v, STAGES=stages, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state,
+        STORE_STATES=store_states, WITH_OUTPUT=q is not None, SKIP=skip_chunks is not None, num_warps=warps,
     )
     return h, v_new, o, final
 
 
-def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False, config=None):
+def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False, config=None, skip_chunks=None):
     """(dh [B, NT, HV, V, K], dh0 [B, HV, V, K] fp32 or None, dv2 like do) as FLA's value-first
     `chunk_gated_delta_rule_bwd_dhu`, with q, k [B, T, H, K] and w [B, T, HV, K]; `config` = (BV, warps, stages)
-    pins a tile. dv None: the kernel computes the chunks' own value gradient (FLA's `chunk_bwd_dv_local`) itself."""
+    pins a tile. dv None: the kernel computes the chunks' own value gradient (FLA's `chunk_bwd_dv_local`) itself.
+    `skip_chunks` (int32 [B, HV]): each (row, head) leaves out that many chunks at the end, `dht` entering the chunk
+    before them (dh and dv2 of the chunks left out are not written)."""
     batch, seq_len, heads, key_dim = w.shape
     value_dim = do.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
@@ -360,10 +375,10 @@ def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False
     dht = None if dht is None else dht.contiguous()
     _chunk_state_bwd_kernel[(value_dim // block_v, batch * heads)](
         _descriptor(q, KEY_SLICE), _descriptor(k, KEY_SLICE), _descriptor(w, KEY_SLICE), _descriptor(do, block_v),
-        _descriptor(do if dv is None else dv, block_v), g.contiguous(), dht, dh, dv2, dh0, float(scale), seq_len,
-        chunks,
+        _descriptor(do if dv is None else dv, block_v), g.contiguous(), dht, dh, dv2, dh0,
+        _skips(skip_chunks, batch, heads), float(scale), seq_len, chunks,
         H=heads, GROUP=heads // q.shape[2], K=key_dim, V=value_dim, BT=CHUNK, BV=block_v, STAGES=stages,
         USE_FINAL_STATE_GRADIENT=dht is not None, USE_INITIAL_STATE=want_dh0, LOCAL_DV=dv is None,
-        num_warps=warps,
+        SKIP=skip_chunks is not None, num_warps=warps,
     )
     return dh, dh0, dv2

@@ -4,6 +4,7 @@ fresh random GDN inputs (unit-norm keys, sigmoid β, log-sigmoid gates), with an
 chunk."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from megatron_muon.ops.state_segments import (
     segmented_state_backward,
     segmented_state_forward,
 )
+from tests.interpreter import run_under_interpreter
 from tests.ops.helpers import gdn_inputs
 
 CHUNK = 16  # small chunks keep the fp64 loops quick; the algorithm does not depend on the chunk size
@@ -162,3 +164,10 @@ def test_segments_on_our_state_kernels_give_the_sequential_kernels_states():
     got = batched_segments_backward(backward, q, k, w, g, do, dv, 0.125, state, segments=4)
     for name, ref, ours in zip(("dh", "dh0", "dv2"), expected, got):
         assert_ratio(name, ref, ours, 2e-2)
+
+
+def test_windows_on_our_kernels_under_triton_interpreter():
+    """The windowed passes through the TMA kernels' chunk skips (one fast- and one slow-decaying head) against the
+    fp64 passes, and without drops against the sequential recurrences; the exact form on the same kernels."""
+    pytest.importorskip("triton", reason="the interpreter comes with Triton")
+    run_under_interpreter(Path(__file__).with_name("_state_segments_interpret_check.py"))
