@@ -69,16 +69,19 @@ def plan_segments(g: torch.Tensor, segment_chunks: int, chunk: int = 64, drop_lo
         raise ValueError(f"segment_chunks must be >= 1, got {segment_chunks}")
     totals = chunk_totals(g.to(torch.float64), chunk).transpose(1, 2)  # [B, H, chunks]
     chunks = totals.shape[-1]
-    windows, exact = [], []
-    for start in range(0, chunks, segment_chunks):
-        segment = totals[..., start : min(chunks, start + segment_chunks)]
-        ordered = segment if reverse else segment.flip(-1)  # from the side next to the neighbour being fed
-        below = ordered.cumsum(-1) < drop_log2
-        reached = below.any(-1)
-        first = torch.where(reached, below.to(torch.int64).argmax(-1) + 1, segment.shape[-1])
-        windows.append(first)
-        exact.append(~reached)
-    return SegmentPlan(segment_chunks, chunks, torch.stack(windows, -1), torch.stack(exact, -1))
+    segments = -(-chunks // segment_chunks)
+    pad = segments * segment_chunks - chunks  # a short last segment, padded with chunks that do not decay
+    lengths = torch.full((segments,), segment_chunks, dtype=torch.int64, device=g.device)
+    lengths[-1] -= pad
+    per_segment = torch.nn.functional.pad(totals, (0, pad)).unflatten(-1, (segments, segment_chunks))
+    if not reverse:  # counted from each segment's end, the side next to the segment it feeds
+        per_segment = per_segment.flip(-1)
+    below = per_segment.cumsum(-1) < drop_log2
+    reached = below.any(-1)
+    first = below.to(torch.int64).argmax(-1) + 1  # [B, H, S]
+    if not reverse:  # the flipped padding came first
+        first = first - (segment_chunks - lengths)
+    return SegmentPlan(segment_chunks, chunks, torch.where(reached, first, lengths), ~reached)
 
 
 def chunk_transitions(k: torch.Tensor, w: torch.Tensor, g: torch.Tensor, chunk: int = 64) -> torch.Tensor:
