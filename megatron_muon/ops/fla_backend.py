@@ -19,8 +19,8 @@ import importlib.util
 
 import torch
 
-from megatron_muon.ops import (chunk_bwd_fused, chunk_fwd_fused, chunk_fwd_fused_ws, chunk_fwd_intra, dqkwg, state_tma,
-                               state_ws)
+from megatron_muon.ops import (chunk_bwd_fused, chunk_fwd_fused, chunk_fwd_fused_ws, chunk_fwd_intra, dqkwg,
+                               state_segments, state_tma, state_ws)
 from megatron_muon.ops.group_sum import group_sum
 from megatron_muon.ops.kernel_choice import gdn_kernels
 
@@ -107,8 +107,12 @@ def _flas_intra(k, v, g, beta, cu_seqlens, chunk_indices):
 
 def _state_kernel(name: str, key_side: list, value_side: list, *args, **kwargs):
     """`state_ws.<name>` where the Gluon kernels apply (a front end that rejects them hands every later call to the
-    Triton kernels, with one warning), else `state_tma.<name>`."""
-    if gdn_kernels().states == "gluon" and state_ws.ready(key_side, value_side):
+    Triton kernels, with one warning), the Triton kernels in segments where chosen and the sequence splits into
+    whole-chunk segments (`state_segments.windowed_<name>`), else `state_tma.<name>`."""
+    states = gdn_kernels().states
+    if states == "segments" and (segments := state_segments.segment_count(key_side[0].shape[1], CHUNK_SIZE)) > 1:
+        return getattr(state_segments, f"windowed_{name}")(state_tma, *args, segments=segments, **kwargs)
+    if states == "gluon" and state_ws.ready(key_side, value_side):
         try:
             return getattr(state_ws, name)(*args, **kwargs)
         except state_ws.FRONTEND_ERRORS as error:  # raised while compiling, before anything ran
@@ -133,6 +137,11 @@ def _fused_forward(q, k, w, u, g_cumsum, scale, initial_state, output_final_stat
     are "gluon" and it applies (a front end that rejects it hands every later call to Triton, with one warning),
     else the Triton kernel."""
     args = (q, k, w, u, g_cumsum, scale, initial_state, output_final_state, keep_states)
+    if gdn_kernels().states == "segments" and (segments := state_segments.segment_count(q.shape[1], CHUNK_SIZE)) > 1:
+        h, v_new, o, final = state_segments.windowed_chunk_forward(
+            state_tma, k, w, u, g_cumsum, initial_state, output_final_state, segments=segments, q=q, scale=scale,
+            store_states=keep_states, configs=chunk_fwd_fused.FUSED_CONFIGS)
+        return o, final, h, v_new
     if gdn_kernels().states == "gluon" and chunk_fwd_fused_ws.ready(q, k, w, u):
         try:
             return chunk_fwd_fused_ws.chunk_fwd_fused(*args)

@@ -2,7 +2,10 @@
 
 Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``states``: the chunk-state recurrences (forward h, backward dh): "gluon" (the warp-specialized kernels where they
-  apply, our Triton ones elsewhere), "triton" (our Triton kernels) or "fla".
+  apply, our Triton ones elsewhere), "triton" (our Triton kernels), "fla", or "segments" (our Triton kernels on
+  segments of the sequence side by side, each segment's incoming state built over the window of chunks where the
+  gate has decayed it below 2^-24, exactly through the segment's transition where it has not:
+  `ops/state_segments.py`; opt-in until measured).
 - ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours", "fla", or "fused" (ours with FLA's WY
   backward and the gate gradient's reverse cumulative sum in the same kernel, `ops/chunk_bwd_fused.py`: dw never
   leaves registers).
@@ -28,7 +31,7 @@ import os
 from dataclasses import dataclass
 
 KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
-STATE_KERNELS = ("gluon", "triton", "fla")
+STATE_KERNELS = ("gluon", "triton", "fla", "segments")
 OUTPUT_GRAD_KERNELS = ("ours", "fused", "fla")
 OUTPUT_TERM_KERNELS = ("fla", "fused", "backward")
 INTRA_KERNELS = ("fla", "ours")

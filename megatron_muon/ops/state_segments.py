@@ -256,11 +256,12 @@ def _windows(g, segments: int, chunk: int, drop_log2: float, reverse: bool):
             exact.to(torch.float32)[..., None, None])
 
 
-def windowed_segments_forward(kernels, k, w, u, g, initial_state=None, *, segments: int, chunk: int = 64,
-                              drop_log2: float = DEFAULT_DROP_LOG2):
-    """The three passes with the plan's windows on kernels that start each (row, head) some chunks in
-    (`state_tma.chunk_forward(..., skip_chunks=)`): pass 1 runs only the windows, the transitions only the exact
-    segments; (h, v_new, final state) as `segmented_state_forward` computes them."""
+def windowed_chunk_forward(kernels, k, w, u, g, initial_state=None, output_final_state: bool = False, *,
+                           segments: int, chunk: int = 64, drop_log2: float = DEFAULT_DROP_LOG2, q=None,
+                           scale: float = 1.0, store_states: bool = True, configs=None):
+    """`kernels.chunk_forward`'s (h, v_new, o, final state) by the three passes with the plan's windows, on kernels
+    that start each (row, head) some chunks in (`state_tma`): pass 1 runs only the windows, the transitions only the
+    whole segments, pass 3 everything (with q, the output too: the fused forward)."""
     batch, seq_len, heads, key_dim = w.shape
     value_dim = u.shape[-1]
     _, skip, transition_skip, exact = _windows(g, segments, chunk, drop_log2, reverse=False)
@@ -277,19 +278,31 @@ def windowed_segments_forward(kernels, k, w, u, g, initial_state=None, *, segmen
     starts = [start]
     for s in range(segments - 1):
         starts.append(local[:, s] + exact[:, s] * (starts[-1] @ maps[:, s]))
-    h, v_new, final = kernels.chunk_fwd_h(fk, fw, fu, fg, torch.stack(starts, 1).flatten(0, 1), True)
-    return (h.reshape(batch, -1, *h.shape[2:]), v_new.reshape(batch, seq_len, *v_new.shape[2:]),
-            final.view(batch, segments, *final.shape[1:])[:, -1])
+    options = {} if configs is None else {"configs": configs}
+    h, v_new, o, final = kernels.chunk_forward(fk, fw, fu, fg, torch.stack(starts, 1).flatten(0, 1),
+                                               output_final_state, q=None if q is None else _fold(q, segments),
+                                               scale=scale, store_states=store_states, **options)
+    final = None if final is None else final.view(batch, segments, *final.shape[1:])[:, -1]
+    return (*(None if t is None else t.reshape(batch, -1, *t.shape[2:]) for t in (h, v_new, o)), final)
+
+
+def windowed_segments_forward(kernels, k, w, u, g, initial_state=None, *, segments: int, chunk: int = 64,
+                              drop_log2: float = DEFAULT_DROP_LOG2):
+    """(h, v_new, final state) as `segmented_state_forward` computes them, on the kernels (`windowed_chunk_forward`)."""
+    h, v_new, _, final = windowed_chunk_forward(kernels, k, w, u, g, initial_state, True, segments=segments,
+                                                chunk=chunk, drop_log2=drop_log2)
+    return h, v_new, final
 
 
 def windowed_segments_backward(kernels, q, k, w, g, do, dv, scale: float, dht=None, *, segments: int,
                                chunk: int = 64, drop_log2: float = DEFAULT_DROP_LOG2):
     """The mirrored passes with windows at each segment's start (`state_tma.chunk_dhu(..., skip_chunks=)`);
-    (dh, dh0, dv2) as `segmented_state_backward` computes them."""
+    (dh, dh0, dv2) as `segmented_state_backward` computes them (dv None: the chunks' own value gradient inside)."""
     batch, seq_len, heads, key_dim = w.shape
     value_dim = do.shape[-1]
     _, skip, transition_skip, exact = _windows(g, segments, chunk, drop_log2, reverse=True)
-    fq, fk, fw, fg, fdo, fdv = (_fold(t, segments) for t in (q, k, w, g, do, dv))
+    fq, fk, fw, fg, fdo = (_fold(t, segments) for t in (q, k, w, g, do))
+    fdv = None if dv is None else _fold(dv, segments)  # None: the kernels add the chunks' own value gradient
     local = kernels.chunk_dhu(fq, fk, fw, fg, fdo, fdv, scale, None, True, skip_chunks=skip)[1]
     identity = torch.eye(key_dim, dtype=torch.float32, device=q.device).expand(batch * segments, heads, key_dim,
                                                                                key_dim).contiguous()
@@ -305,3 +318,29 @@ def windowed_segments_backward(kernels, q, k, w, g, do, dv, scale: float, dht=No
     dh, dh0, dv2 = kernels.chunk_dhu(fq, fk, fw, fg, fdo, fdv, scale, torch.stack(ends, 1).flatten(0, 1), True)
     return (dh.reshape(batch, -1, *dh.shape[2:]), dh0.view(batch, segments, *dh0.shape[1:])[:, 0],
             dv2.reshape(batch, seq_len, *dv2.shape[2:]))
+
+
+DEFAULT_SEGMENTS = 4
+
+
+def segment_count(seq_len: int, chunk: int = 64, most: int = DEFAULT_SEGMENTS) -> int:
+    """The most segments, up to `most` and a power of two, that cut `seq_len` into whole chunks (1: none)."""
+    segments = most
+    while segments > 1 and seq_len % (segments * chunk):
+        segments //= 2
+    return max(segments, 1)
+
+
+def windowed_chunk_fwd_h(kernels, k, w, u, g, initial_state=None, output_final_state: bool = False, *,
+                         segments: int):
+    """`state_tma.chunk_fwd_h`'s (h, v_new, final state or None) in segments with windows."""
+    h, v_new, _, final = windowed_chunk_forward(kernels, k, w, u, g, initial_state, output_final_state,
+                                                segments=segments)
+    return h, v_new, final
+
+
+def windowed_chunk_dhu(kernels, q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False, *,
+                       segments: int):
+    """`state_tma.chunk_dhu`'s (dh, dh0 or None, dv2) in segments with windows."""
+    dh, dh0, dv2 = windowed_segments_backward(kernels, q, k, w, g, do, dv, scale, dht, segments=segments)
+    return dh, dh0 if want_dh0 else None, dv2

@@ -18,6 +18,7 @@ from megatron_muon.ops.state_segments import (
     batched_segments_backward,
     batched_segments_forward,
     plan_segments,
+    segment_count,
     segmented_state_backward,
     segmented_state_forward,
 )
@@ -171,3 +172,17 @@ def test_windows_on_our_kernels_under_triton_interpreter():
     fp64 passes, and without drops against the sequential recurrences; the exact form on the same kernels."""
     pytest.importorskip("triton", reason="the interpreter comes with Triton")
     run_under_interpreter(Path(__file__).with_name("_state_segments_interpret_check.py"))
+
+
+def test_the_gdn_op_with_its_states_in_segments_under_triton_interpreter():
+    """`states: segments` in the chunk op (fused forward, state gradients with the local dv, one-kernel backward,
+    kept and recomputed states, GVA): o, the final state and every gradient against the fp64 recurrence."""
+    pytest.importorskip("triton", reason="the interpreter comes with Triton")
+    run_under_interpreter(Path(__file__).with_name("_gdn_segments_op_interpret_check.py"))
+
+
+def test_segment_count_cuts_whole_chunks_only():
+    assert segment_count(16384) == 4
+    assert segment_count(3 * 128) == 2  # 6 chunks: four do not divide them, two do
+    assert segment_count(64 * 5) == 1 and segment_count(150) == 1
+    assert segment_count(16384, most=8) == 8
