@@ -31,6 +31,7 @@ REFERENCE_VARIANT = "FlashQLA chunk op (direct)"
 # (variant suffix, kernels per stage) beside the default ("gluon" states, "ours" output gradients); each changes one
 # stage of the default or of a variant timed before it
 STAGE_VARIANTS = [("states: fla", GdnKernels("fla", "ours")), ("states: triton", GdnKernels("triton", "ours")),
+                  ("states: segments", GdnKernels("segments", "ours")),
                   ("output grads: fla", GdnKernels("gluon", "fla")),
                   ("output grads: fused", GdnKernels(output_grads="fused")),
                   ("intra: ours", GdnKernels(intra="ours")),

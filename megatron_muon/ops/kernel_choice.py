@@ -20,7 +20,7 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
   `ops/chunk_fwd_intra.py`).
 
 Named presets: "ours" (gluon + ours + fla, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
-fla) and "fla" (FLA's everywhere).
+fla), "segments" (segments + ours + fla) and "fla" (FLA's everywhere).
 `set_gdn_kernels` (the recipe's ``model.gdn_kernels``) sets the choice; when nothing did, MEGATRON_MUON_GDN_KERNELS
 seeds it at the first op call. The ops read it inside their kernels, so it never becomes a guard in a compiled graph.
 """
@@ -72,6 +72,7 @@ PRESETS = {
     "ours": GdnKernels("gluon", "ours"),
     "fused": GdnKernels("gluon", "ours", "fused"),
     "triton": GdnKernels("triton", "ours"),
+    "segments": GdnKernels("segments", "ours"),
     "fla": GdnKernels("fla", "fla"),
 }
 KERNEL_CHOICES = tuple(PRESETS)

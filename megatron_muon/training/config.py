@@ -42,7 +42,7 @@ class ModelSection:
     rotary_base: int = 10000
     untie_embeddings: bool = True
     spec_backend: str = "auto"  # "auto" (te when importable), "te" or "local"
-    gdn_kernels: str | None = None  # "ours", "fused", "triton", "fla" (ops/kernel_choice.py); None: the env variable
+    gdn_kernels: str | None = None  # "ours", "fused", "triton", "segments", "fla" (ops/kernel_choice.py); None: env
     init_method_std: float = 0.02
     dropout: float = 0.0
     qk_clip: bool = False  # MuonClip: rescale W_q, W_k per query group after each step (megatron's clip_qk)
