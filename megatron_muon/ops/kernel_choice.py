@@ -4,8 +4,9 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``states``: the chunk-state recurrences (forward h, backward dh): "gluon" (the warp-specialized kernels where they
   apply, our Triton ones elsewhere), "triton" (our Triton kernels), "fla", or "segments" (our Triton kernels on
   segments of the sequence side by side, each segment's incoming state built over the window of chunks where the
-  gate has decayed it below 2^-24, exactly through the segment's transition where it has not:
-  `ops/state_segments.py`; opt-in until measured).
+  gate has decayed it below 2^-24, exactly through the segment's transition where it has not; the bound on what is
+  dropped holds for unit-norm keys and β in [0, 2], as GDN's layers give them: `ops/state_segments.py`; opt-in
+  until measured).
 - ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours", "fla", or "fused" (ours with FLA's WY
   backward and the gate gradient's reverse cumulative sum in the same kernel, `ops/chunk_bwd_fused.py`: dw never
   leaves registers).
