@@ -87,7 +87,7 @@ def test_scaled_out_layouts():
         (["optimizer.lr_warmup_iters=1000"], 1, "lr_warmup_iters"),
         (["optimizer.muon_nonfinite_check=never"], 1, "'optimizer.muon_nonfinite_check' must be one of auto, before_update"),
         (["training.autotune_table=/nonexistent/table.json"], 1, "is not a file; give the autotune_table.json"),
-        (["model.gdn_kernels=fast"], 1, "'model.gdn_kernels' must be one of ours, fused, triton, fla"),
+        (["model.gdn_kernels=fast"], 1, "'model.gdn_kernels' must be one of ours, fused, triton, segments, fla"),
     ],
 )
 def test_bad_input_is_one_clear_sentence(overrides, world_size, message):
