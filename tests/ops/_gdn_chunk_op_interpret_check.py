@@ -24,6 +24,24 @@ def recurrence_reference(q, k, v, g, beta, h0, do, dht, scale):
     return [o, final, *torch.autograd.grad(loss, leaves)]
 
 
+def op_inputs(gen, batch, seq_len, heads, value_heads, key_dim, value_dim, decay):
+    """q, k (unit rows), v, g (per-token log decays down to -`decay`, a number or one per value head), β, h0, do,
+    dht; fp16 where the kernels read them (the interpreter's bf16 dots are raw bits)."""
+
+    def unit_rows():
+        x = torch.randn(batch, seq_len, heads, key_dim, generator=gen)
+        return torch.nn.functional.normalize(x, dim=-1).half()
+
+    q, k = unit_rows(), unit_rows()
+    v = torch.randn(batch, seq_len, value_heads, value_dim, generator=gen).half()
+    g = -torch.rand(batch, seq_len, value_heads, generator=gen) * decay
+    beta = torch.rand(batch, seq_len, value_heads, generator=gen)
+    h0 = torch.randn(batch, value_heads, key_dim, value_dim, generator=gen) * 0.1
+    do = torch.randn(batch, seq_len, value_heads, value_dim, generator=gen).half()
+    dht = torch.randn(batch, value_heads, key_dim, value_dim, generator=gen)
+    return q, k, v, g, beta, h0, do, dht
+
+
 def main():
     kernel_choice.set_gdn_kernels(kernel_choice.GdnKernels("triton", "fused", "fused", "ours"))
     gen = torch.Generator().manual_seed(7)
@@ -33,17 +51,7 @@ def main():
         batch, seq_len, key_dim, value_dim = 1, 150, 64, 64
         scale = key_dim**-0.5
 
-        def unit_rows():
-            x = torch.randn(batch, seq_len, heads, key_dim, generator=gen)
-            return torch.nn.functional.normalize(x, dim=-1).half()  # fp16: the interpreter's bf16 dots are raw bits
-
-        q, k = unit_rows(), unit_rows()
-        v = torch.randn(batch, seq_len, value_heads, value_dim, generator=gen).half()
-        g = -torch.rand(batch, seq_len, value_heads, generator=gen) * 0.2  # per-token log decay
-        beta = torch.rand(batch, seq_len, value_heads, generator=gen)
-        h0 = torch.randn(batch, value_heads, key_dim, value_dim, generator=gen) * 0.1
-        do = torch.randn(batch, seq_len, value_heads, value_dim, generator=gen).half()
-        dht = torch.randn(batch, value_heads, key_dim, value_dim, generator=gen)
+        q, k, v, g, beta, h0, do, dht = op_inputs(gen, batch, seq_len, heads, value_heads, key_dim, value_dim, 0.2)
 
         o, final, g_cumsum, a_inverse, w, h, v_new = fla_backend.gdn_forward(q, k, v, g, beta, scale, h0, True, None,
                                                                              keep_states)

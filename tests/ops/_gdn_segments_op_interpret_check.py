@@ -9,7 +9,7 @@ from tests.interpreter import patch_for_numpy_2_5
 patch_for_numpy_2_5()
 
 from megatron_muon.ops import fla_backend, kernel_choice, state_segments  # noqa: E402
-from tests.ops._gdn_chunk_op_interpret_check import recurrence_reference  # noqa: E402
+from tests.ops._gdn_chunk_op_interpret_check import op_inputs, recurrence_reference  # noqa: E402
 from tests.ops._state_tma_interpret_check import relative  # noqa: E402
 
 
@@ -28,18 +28,8 @@ def main():
         batch, seq_len, key_dim, value_dim = 1, 256, 64, 64
         scale = key_dim**-0.5
 
-        def unit_rows():
-            x = torch.randn(batch, seq_len, heads, key_dim, generator=gen)
-            return torch.nn.functional.normalize(x, dim=-1).half()  # fp16: the interpreter's bf16 dots are raw bits
-
-        q, k = unit_rows(), unit_rows()
-        v = torch.randn(batch, seq_len, value_heads, value_dim, generator=gen).half()
         rates = torch.tensor([1.0] + [0.002] * (value_heads - 1))
-        g = -torch.rand(batch, seq_len, value_heads, generator=gen) * rates
-        beta = torch.rand(batch, seq_len, value_heads, generator=gen)
-        h0 = torch.randn(batch, value_heads, key_dim, value_dim, generator=gen) * 0.1
-        do = torch.randn(batch, seq_len, value_heads, value_dim, generator=gen).half()
-        dht = torch.randn(batch, value_heads, key_dim, value_dim, generator=gen)
+        q, k, v, g, beta, h0, do, dht = op_inputs(gen, batch, seq_len, heads, value_heads, key_dim, value_dim, rates)
 
         o, final, g_cumsum, a_inverse, w, h, v_new = fla_backend.gdn_forward(q, k, v, g, beta, scale, h0, True, None,
                                                                              keep_states)
