@@ -189,6 +189,23 @@ def _check_segments(seq_len: int, segments: int, chunk: int) -> None:
                          f"choose a segment count that divides {seq_len // chunk} chunks")
 
 
+def _identity(rows: int, heads: int, dim: int, device) -> torch.Tensor:
+    """[rows, heads, dim, dim] fp32 identities: the start from which a recurrence with no input yields its map."""
+    return torch.eye(dim, dtype=torch.float32, device=device).expand(rows, heads, dim, dim).contiguous()
+
+
+def _scan(boundary, shape, local, maps, exact=None, reverse: bool = False) -> torch.Tensor:
+    """Every segment's incoming state [B·S, H, V, K] (fp32): from `boundary` (None: zeros of `shape`) at the first
+    segment (the last with `reverse`), each next one local + state·M (the M term only where `exact`, a 0/1 mask)."""
+    state = torch.zeros(shape, dtype=torch.float32, device=local.device) if boundary is None else boundary.float()
+    states = [state]
+    order = range(local.shape[1] - 1, 0, -1) if reverse else range(local.shape[1] - 1)
+    for s in order:
+        carried = states[-1] @ maps[:, s]
+        states.append(local[:, s] + (carried if exact is None else exact[:, s] * carried))
+    return torch.stack(states[::-1] if reverse else states, 1).flatten(0, 1)
+
+
 def batched_segments_forward(forward, k, w, u, g, initial_state=None, *, segments: int, chunk: int = 64):
     """The exact form of the three passes on any sequential forward `forward(k, w, u, g, initial_state) ->
     (h, v_new, final)` (our kernels, FLA's, the reference): equal segments run side by side as batch rows.
@@ -201,16 +218,11 @@ def batched_segments_forward(forward, k, w, u, g, initial_state=None, *, segment
     _check_segments(seq_len, segments, chunk)
     folded = [_fold(t, segments) for t in (k, w, u, g)]
     local = forward(*folded, None)[2].float().view(batch, segments, heads, value_dim, key_dim)
-    identity = torch.eye(key_dim, dtype=torch.float32, device=k.device).expand(batch * segments, heads, key_dim,
-                                                                               key_dim).contiguous()
+    identity = _identity(batch * segments, heads, key_dim, k.device)
     maps = forward(folded[0], folded[1], torch.zeros_like(folded[1]), folded[3], identity)[2].float()
     maps = maps.view(batch, segments, heads, key_dim, key_dim)
-    start = (torch.zeros(batch, heads, value_dim, key_dim, dtype=torch.float32, device=k.device)
-             if initial_state is None else initial_state.float())
-    starts = [start]
-    for s in range(segments - 1):
-        starts.append(starts[-1] @ maps[:, s] + local[:, s])
-    h, v_new, final = forward(*folded, torch.stack(starts, 1).flatten(0, 1))
+    starts = _scan(initial_state, (batch, heads, value_dim, key_dim), local, maps)
+    h, v_new, final = forward(*folded, starts)
     return (h.reshape(batch, -1, *h.shape[2:]), v_new.reshape(batch, seq_len, *v_new.shape[2:]),
             final.view(batch, segments, *final.shape[1:])[:, -1])
 
@@ -225,17 +237,11 @@ def batched_segments_backward(backward, q, k, w, g, do, dv, scale: float, dht=No
     fq, fk, fw, fg, fdo, fdv = (_fold(t, segments) for t in (q, k, w, g, do, dv))
     local = backward(fq, fk, fw, fg, fdo, fdv, scale, None)[1].float().view(batch, segments, heads, value_dim,
                                                                              key_dim)
-    identity = torch.eye(key_dim, dtype=torch.float32, device=q.device).expand(batch * segments, heads, key_dim,
-                                                                               key_dim).contiguous()
     nothing = torch.zeros_like(fw)
-    maps = backward(fq, fk, fw, fg, nothing, nothing, scale, identity)[1].float()
-    maps = maps.view(batch, segments, heads, key_dim, key_dim)
-    end = (torch.zeros(batch, heads, value_dim, key_dim, dtype=torch.float32, device=q.device) if dht is None
-           else dht.float())
-    ends = [end]
-    for s in range(segments - 1, 0, -1):
-        ends.insert(0, ends[0] @ maps[:, s] + local[:, s])
-    dh, dh0, dv2 = backward(fq, fk, fw, fg, fdo, fdv, scale, torch.stack(ends, 1).flatten(0, 1))
+    maps = backward(fq, fk, fw, fg, nothing, nothing, scale, _identity(batch * segments, heads, key_dim, q.device))
+    maps = maps[1].float().view(batch, segments, heads, key_dim, key_dim)
+    ends = _scan(dht, (batch, heads, value_dim, key_dim), local, maps, reverse=True)
+    dh, dh0, dv2 = backward(fq, fk, fw, fg, fdo, fdv, scale, ends)
     return (dh.reshape(batch, -1, *dh.shape[2:]), dh0.view(batch, segments, *dh0.shape[1:])[:, 0],
             dv2.reshape(batch, seq_len, *dv2.shape[2:]))
 
@@ -267,19 +273,14 @@ def windowed_chunk_forward(kernels, k, w, u, g, initial_state=None, output_final
     _, skip, transition_skip, exact = _windows(g, segments, chunk, drop_log2, reverse=False)
     fk, fw, fu, fg = (_fold(t, segments) for t in (k, w, u, g))
     local = kernels.chunk_forward(fk, fw, fu, fg, None, True, store_states=False, skip_chunks=skip)[3]
-    identity = torch.eye(key_dim, dtype=torch.float32, device=k.device).expand(batch * segments, heads, key_dim,
-                                                                               key_dim).contiguous()
+    identity = _identity(batch * segments, heads, key_dim, k.device)
     maps = kernels.chunk_forward(fk, fw, torch.zeros_like(fw), fg, identity, True, store_states=False,
                                  skip_chunks=transition_skip)[3]
     local = local.view(batch, segments, heads, value_dim, key_dim)
     maps = maps.view(batch, segments, heads, key_dim, key_dim)
-    start = (torch.zeros(batch, heads, value_dim, key_dim, dtype=torch.float32, device=k.device)
-             if initial_state is None else initial_state.float())
-    starts = [start]
-    for s in range(segments - 1):
-        starts.append(local[:, s] + exact[:, s] * (starts[-1] @ maps[:, s]))
+    starts = _scan(initial_state, (batch, heads, value_dim, key_dim), local, maps, exact)
     options = {} if configs is None else {"configs": configs}
-    h, v_new, o, final = kernels.chunk_forward(fk, fw, fu, fg, torch.stack(starts, 1).flatten(0, 1),
+    h, v_new, o, final = kernels.chunk_forward(fk, fw, fu, fg, starts,
                                                output_final_state, q=None if q is None else _fold(q, segments),
                                                scale=scale, store_states=store_states, **options)
     final = None if final is None else final.view(batch, segments, *final.shape[1:])[:, -1]
@@ -304,18 +305,13 @@ def windowed_segments_backward(kernels, q, k, w, g, do, dv, scale: float, dht=No
     fq, fk, fw, fg, fdo = (_fold(t, segments) for t in (q, k, w, g, do))
     fdv = None if dv is None else _fold(dv, segments)  # None: the kernels add the chunks' own value gradient
     local = kernels.chunk_dhu(fq, fk, fw, fg, fdo, fdv, scale, None, True, skip_chunks=skip)[1]
-    identity = torch.eye(key_dim, dtype=torch.float32, device=q.device).expand(batch * segments, heads, key_dim,
-                                                                               key_dim).contiguous()
     nothing = torch.zeros_like(fw)
+    identity = _identity(batch * segments, heads, key_dim, q.device)
     maps = kernels.chunk_dhu(fq, fk, fw, fg, nothing, nothing, scale, identity, True, skip_chunks=transition_skip)[1]
     local = local.view(batch, segments, heads, value_dim, key_dim)
     maps = maps.view(batch, segments, heads, key_dim, key_dim)
-    end = (torch.zeros(batch, heads, value_dim, key_dim, dtype=torch.float32, device=q.device) if dht is None
-           else dht.float())
-    ends = [end]
-    for s in range(segments - 1, 0, -1):
-        ends.insert(0, local[:, s] + exact[:, s] * (ends[0] @ maps[:, s]))
-    dh, dh0, dv2 = kernels.chunk_dhu(fq, fk, fw, fg, fdo, fdv, scale, torch.stack(ends, 1).flatten(0, 1), True)
+    ends = _scan(dht, (batch, heads, value_dim, key_dim), local, maps, exact, reverse=True)
+    dh, dh0, dv2 = kernels.chunk_dhu(fq, fk, fw, fg, fdo, fdv, scale, ends, True)
     return (dh.reshape(batch, -1, *dh.shape[2:]), dh0.view(batch, segments, *dh0.shape[1:])[:, 0],
             dv2.reshape(batch, seq_len, *dv2.shape[2:]))
 
