@@ -99,10 +99,11 @@ def chunk_state_forward_reference(k, w, u, g, initial_state=None, chunk: int = 6
     batch, seq_len, heads, key_dim = k.shape
     dtype = torch.promote_types(k.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     k, w, u, g = (t.to(dtype) for t in (k, w, u, g))
-    state = (torch.zeros(batch, heads, u.shape[-1], key_dim, dtype=dtype) if initial_state is None
+    state = (torch.zeros(batch, heads, u.shape[-1], key_dim, dtype=dtype, device=k.device) if initial_state is None
              else initial_state.to(dtype).clone())
     chunks = -(-seq_len // chunk)
-    h, v_new = torch.empty(batch, chunks, heads, u.shape[-1], key_dim, dtype=dtype), torch.empty_like(u)
+    h = torch.empty(batch, chunks, heads, u.shape[-1], key_dim, dtype=dtype, device=k.device)
+    v_new = torch.empty_like(u)
     for t in range(chunks):
         rows = slice(t * chunk, min((t + 1) * chunk, seq_len))
         h[:, t] = state
@@ -120,9 +121,11 @@ def chunk_state_backward_reference(q, k, w, g, do, dv, scale: float, dht=None, c
     batch, seq_len, heads, key_dim = q.shape
     dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     q, k, w, do, dv, g = (t.to(dtype) for t in (q, k, w, do, dv, g))
-    state = torch.zeros(batch, heads, do.shape[-1], key_dim, dtype=dtype) if dht is None else dht.to(dtype).clone()
+    state = (torch.zeros(batch, heads, do.shape[-1], key_dim, dtype=dtype, device=q.device) if dht is None
+             else dht.to(dtype).clone())
     chunks = -(-seq_len // chunk)
-    dh, dv2 = torch.empty(batch, chunks, heads, do.shape[-1], key_dim, dtype=dtype), torch.empty_like(dv)
+    dh = torch.empty(batch, chunks, heads, do.shape[-1], key_dim, dtype=dtype, device=q.device)
+    dv2 = torch.empty_like(dv)
     for t in reversed(range(chunks)):
         rows = slice(t * chunk, min((t + 1) * chunk, seq_len))
         dh[:, t] = state
@@ -159,7 +162,7 @@ def chunk_output_grads_reference(q, k, v_new, w, g, h, do, dh, dv, scale: float,
             rows = slice(t * chunk, min((t + 1) * chunk, seq_len))
             q_t, k_t, g_t, v_t, h_t = q[:, rows], k[:, rows], g[:, rows], v_new[:, rows], h[:, t]
             last = g_t[:, -1]
-            causal = torch.ones(g_t.shape[1], g_t.shape[1], dtype=torch.bool).tril()
+            causal = torch.ones(g_t.shape[1], g_t.shape[1], dtype=torch.bool, device=g_t.device).tril()
             gaps = torch.where(causal[None, :, :, None], g_t[:, :, None] - g_t[:, None, :], 0)  # [B, i, j, H]
             scores = torch.einsum("bihk,bjhk->bijh", q_t, k_t) * torch.exp2(gaps) * causal[None, :, :, None]
             o_t = scale * (torch.einsum("blhk,bhvk->blhv", q_t * torch.exp2(g_t)[..., None], h_t)
@@ -202,10 +205,11 @@ def chunk_wy_inverse_reference(k, g, beta, chunk: int = 64, value_heads: int | N
         rows = slice(start, start + chunk)
         k_c, g_c, beta_c = k[:, rows], g[:, rows], beta[:, rows]
         length = k_c.shape[1]
-        lower = torch.ones(length, length, dtype=torch.bool).tril(-1)[None, :, :, None]  # [1, i, j, 1]
+        lower = torch.ones(length, length, dtype=torch.bool, device=k.device).tril(-1)[None, :, :, None]  # [1, i, j, 1]
         gaps = torch.where(lower, g_c[:, :, None] - g_c[:, None, :], 0)
         a_kk = torch.einsum("bihk,bjhk->bijh", k_c, k_c) * torch.exp2(gaps) * beta_c[:, :, None] * lower
-        inverse = torch.linalg.inv(torch.eye(length, dtype=dtype) + a_kk.permute(0, 3, 1, 2))  # [B, HV, i, j]
+        identity = torch.eye(length, dtype=dtype, device=k.device)
+        inverse = torch.linalg.inv(identity + a_kk.permute(0, 3, 1, 2))  # [B, HV, i, j]
         inverses[:, rows, :, :length] = inverse.permute(0, 2, 1, 3)
     return inverses
 
@@ -234,7 +238,8 @@ def chunk_output_reference(q, k, v_new, h, g, scale: float, chunk: int = 64):
     for t in range(h.shape[1]):
         rows = slice(t * chunk, (t + 1) * chunk)
         q_t, k_t, g_t = q[:, rows], k[:, rows], g[:, rows]
-        causal = torch.ones(g_t.shape[1], g_t.shape[1], dtype=torch.bool).tril()[None, :, :, None]
+        causal = torch.ones(g_t.shape[1], g_t.shape[1], dtype=torch.bool, device=g_t.device).tril()
+        causal = causal[None, :, :, None]
         gaps = torch.where(causal, g_t[:, :, None] - g_t[:, None, :], 0)  # [B, i, j, HV]
         scores = torch.einsum("bihk,bjhk->bijh", q_t, k_t) * torch.exp2(gaps) * causal
         o[:, rows] = scale * (torch.einsum("blhk,bhvk->blhv", q_t * torch.exp2(g_t)[..., None], h[:, t])
@@ -254,7 +259,8 @@ def chunk_local_dv_reference(q, k, g, do, scale: float, chunk: int = 64):
     for start in range(0, q.shape[1], chunk):
         rows = slice(start, start + chunk)
         q_t, k_t, g_t = q[:, rows], k[:, rows], g[:, rows]
-        causal = torch.ones(g_t.shape[1], g_t.shape[1], dtype=torch.bool).tril()[None, :, :, None]  # [1, i, j, 1]
+        causal = torch.ones(g_t.shape[1], g_t.shape[1], dtype=torch.bool, device=g_t.device).tril()
+        causal = causal[None, :, :, None]  # [1, i, j, 1]
         gaps = torch.where(causal, g_t[:, :, None] - g_t[:, None, :], 0)
         scores = torch.einsum("bihk,bjhk->bijh", q_t, k_t) * torch.exp2(gaps) * causal
         dv[:, rows] = scale * torch.einsum("bijh,bihv->bjhv", scores, do[:, rows])
