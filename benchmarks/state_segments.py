@@ -67,11 +67,26 @@ def window_summary(g, segments: int, reverse: bool) -> str:
     return f"window {plan.window.float().mean().item():.1f} chunks, {plan.exact.float().mean().item():.0%} whole"
 
 
+def profile_lines(shape: str, kernel: str, windowed: bool, pair, times) -> list[str]:
+    """Kernels and host ops of one form's forward and backward at 4 segments: whether its time is the GPU's."""
+    from kernel_profile import host_markdown, kernel_table, profile_markdown
+
+    lines = []
+    for i, recurrence in enumerate(("forward", "backward")):
+        kernels, host = kernel_table(pair[i], "cuda")
+        name = f"{shape}, {kernel} {'windowed' if windowed else 'exact'} {recurrence}, 4 segments"
+        lines += profile_markdown(name, kernels, statistics.median(times[(4, i)]), top=8, unit="call")
+        lines += host_markdown(host, None, top=6)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile each form at 4 segments: its kernels and its host ops per call")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("state_segments.py times CUDA kernels; run it on an sm90 GPU with FLA installed")
@@ -86,6 +101,7 @@ def main() -> None:
     lines += ["", "| heads | kernel | form | recurrence | segments | ms | speed-up over sequential | "
               "largest difference in the states | windows |",
               "|---|---|---|---|---:|---:|---:|---:|---|"]
+    profiles = []
     forms = (("Gluon", state_ws, False), ("Triton", state_tma, False), ("Triton", state_tma, True))
     for shape, sizes in SHAPES.items():
         inputs = wy_inputs(sizes["heads"], sizes["value_heads"], sizes["key_dim"], sizes["value_dim"], args.seq_len)
@@ -107,7 +123,9 @@ def main() -> None:
                     lines.append(f"| {shape} | {kernel} | {'windowed' if windowed else 'exact'} | {recurrence} | "
                                  f"{s} | {statistics.median(spread):.3f} ({min(spread):.3f}-{max(spread):.3f}) | "
                                  f"{sequential / statistics.median(spread):.2f} | {difference:.3g} | {windows} |")
-    emit_markdown(lines, args.out)
+            if args.profile:
+                profiles += profile_lines(shape, kernel, windowed, table[4], times)
+    emit_markdown(lines + profiles, args.out)
 
 
 if __name__ == "__main__":
