@@ -42,7 +42,7 @@ def test_two_trees_alternate_on_cpu(tmp_path):
     root = BENCHMARKS.parent
     out = tmp_path / "ab.md"
     subprocess.run([sys.executable, str(BENCHMARKS / "alternate.py"), "--trees", f"base={root}", f"same={root}",
-                    "--rounds", "2", "--out", str(out), "--", "benchmarks/optimizer_step.py", "--scale", "32",
+                    "--rounds", "2", "--out", str(out), "--", "benchmarks/optimizer_step.py", "--scale", "128",
                     "--warmup", "0", "--repeats", "1", "--only-ours"], check=True, cwd=root, timeout=600)
     text = out.read_text()
     assert "| ours (auto, MegaBatch, fused splits) |" in text

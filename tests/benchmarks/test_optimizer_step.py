@@ -10,13 +10,13 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def test_optimizer_step_benchmark_smoke(tmp_path):
     out = tmp_path / "optimizer_step.md"
-    subprocess.run([sys.executable, str(BENCHMARKS / "optimizer_step.py"), "--scale", "32", "--warmup", "0",
+    subprocess.run([sys.executable, str(BENCHMARKS / "optimizer_step.py"), "--scale", "64", "--warmup", "0",
                     "--repeats", "1", "--only-ours", "--profile", "--out", str(out)],
                    check=True, cwd=BENCHMARKS.parent, timeout=300)
     text = out.read_text()
     assert "| ours (auto, MegaBatch, fused splits) |" in text
     assert "| building the NS stacks" in text and "| Newton–Schulz (batched calls alone) |" in text
-    assert "| 24 × 352 × 64 | auto: gram |" in text  # fc1 (11264 × 2048 / 32) as one stack of 24
+    assert "| 24 × 176 × 32 | auto: gram |" in text  # fc1 (11264 × 2048 / 64) as one stack of 24
     assert text.count("| all stacks, summed |") == 2  # the default's stacks and the per-head variant's
     assert "Newton–Schulz per stack, ours (auto, MegaBatch, heads split)" in text
     assert text.count("| ours (auto, MegaBatch, fused splits, CUDA graph) |") == 2  # step table and host table

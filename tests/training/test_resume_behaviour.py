@@ -87,6 +87,8 @@ def test_an_unreadable_checkpoint_names_the_file_and_an_intact_iteration(rank_po
     assert choose_iteration(ckpt, requested=2) == 2
     with pytest.raises(CheckpointError, match=r"iteration 3 is not in .* \(saved iterations: 4, 2\)"):
         choose_iteration(ckpt, requested=3)
+    if damage == "delete":
+        return  # the command's path is the same for every damage: checked once, on the truncated shard
     # the command ends in that one sentence, exit code 2, no traceback; --load-iteration 2 resumes
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     command = [sys.executable, "-m", "megatron_muon.cli.main", "pretrain", "--recipe", "tiny-cpu", "--load", str(ckpt),
