@@ -89,13 +89,24 @@ def current_context() -> RunContext:
                       device_name)
 
 
+_LAYOUT_GROUPS: list = []  # the process groups the current parallel_state layout created
+
+
 def init_parallel_state(tp: int, pp: int) -> None:
-    """megatron's parallel_state for this (tp, pp) layout (replacing a previous one in the same process)."""
+    """megatron's parallel_state for this (tp, pp) layout, replacing a previous one in the same process together with
+    its process groups: megatron's `destroy_model_parallel` forgets them without destroying them, and every gloo
+    group keeps threads that wake up while idle, so a process that re-initializes slows down each time."""
     from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    for group in _LAYOUT_GROUPS:
+        if group in distributed_c10d._world.pg_map:  # not already destroyed by someone else
+            torch.distributed.destroy_process_group(group)
+    before = set(distributed_c10d._world.pg_map)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    _LAYOUT_GROUPS[:] = [group for group in distributed_c10d._world.pg_map if group not in before]
 
 
 def init_distributed(tp: int, pp: int, torch_compile: bool = False) -> RunContext:
