@@ -89,7 +89,7 @@ def chunk_transitions(k: torch.Tensor, w: torch.Tensor, g: torch.Tensor, chunk: 
     T = 2^G·I − wᵀ·D·k with D = diag(2^(G − g)); fp64 inputs give fp64."""
     dtype = torch.promote_types(k.dtype, torch.float32)
     k, w, g = (t.to(dtype) for t in (k, w, g))
-    eye = torch.eye(k.shape[-1], dtype=dtype)
+    eye = torch.eye(k.shape[-1], dtype=dtype, device=k.device)
     maps = []
     for start in range(0, k.shape[1], chunk):
         rows = slice(start, start + chunk)
@@ -112,7 +112,7 @@ def segmented_state_forward(k, w, u, g, initial_state=None, *, segment_chunks: i
     dtype = torch.promote_types(k.dtype, torch.float32)
     plan = plan_segments(g, segment_chunks, chunk, drop_log2)
     transitions = chunk_transitions(k, w, g, chunk)
-    start = (torch.zeros(batch, heads, value_dim, key_dim, dtype=dtype) if initial_state is None
+    start = (torch.zeros(batch, heads, value_dim, key_dim, dtype=dtype, device=k.device) if initial_state is None
              else initial_state.to(dtype).clone())
     starts = [start]
     for s in range(plan.segments - 1):  # passes 1 and 2 (pass 1 is per segment; the reference loops)
@@ -150,7 +150,8 @@ def segmented_state_backward(q, k, w, g, do, dv, scale: float, dht=None, *, segm
     dtype = torch.promote_types(q.dtype, torch.float32)
     plan = plan_segments(g, segment_chunks, chunk, drop_log2, reverse=True)
     transitions = chunk_transitions(k, w, g, chunk)
-    end = (torch.zeros(batch, heads, value_dim, key_dim, dtype=dtype) if dht is None else dht.to(dtype).clone())
+    end = (torch.zeros(batch, heads, value_dim, key_dim, dtype=dtype, device=q.device) if dht is None
+           else dht.to(dtype).clone())
     ends = {plan.segments - 1: end}
     for s in range(plan.segments - 1, 0, -1):  # passes 1 and 2: each segment's gradient at its start
         rows, first_chunk = plan.rows(s, chunk), s * segment_chunks
