@@ -90,12 +90,13 @@ def stage_layer_ids(config, vp_stage=None, pp_rank=None) -> list[int]:
 
 def hybrid_block_spec(
     config, pattern: str = DEFAULT_PATTERN, backend: str = "local", vp_stage=None, pp_rank=None,
-    qk_layernorm: bool = False,
+    qk_layernorm: bool = False, keep_gdn_chunk_states: bool = True,
 ) -> TransformerBlockSubmodules:
     """This pipeline stage's layer specs for `pattern`, plus the final norm."""
     symbols = layer_symbols(resolve_pattern(config, pattern), config.num_layers)
     use_per_layer_checkpoint_keys(config, symbols)
-    by_symbol = {symbol: hybrid_layer_spec(symbol, backend, qk_layernorm) for symbol in set(symbols)}
+    by_symbol = {symbol: hybrid_layer_spec(symbol, backend, qk_layernorm, keep_gdn_chunk_states)
+                 for symbol in set(symbols)}
     layer_specs = [by_symbol[symbols[i]] for i in stage_layer_ids(config, vp_stage, pp_rank)]
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=final_norm(backend))
 

@@ -61,11 +61,13 @@ def with_piecewise_swiglu(layer_spec: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=swapped))
 
 
-def gdn_mixer_spec(backend: str) -> ModuleSpec:
-    """Our GatedDeltaNet; under TE its in_proj also applies the layer's input norm."""
+def gdn_mixer_spec(backend: str, keep_chunk_states: bool = True) -> ModuleSpec:
+    """Our GatedDeltaNet; under TE its in_proj also applies the layer's input norm. `keep_chunk_states=False` makes
+    the backward recompute the chunk states instead of keeping them from the forward (less memory, more time)."""
     te = check_backend(backend) == "te"
     return ModuleSpec(
         module=GatedDeltaNet,
+        params={"keep_chunk_states": keep_chunk_states},
         submodules=GatedDeltaNetSubmodules(
             in_proj=TELayerNormColumnParallelLinear if te else ColumnParallelLinear,
             out_proj=TERowParallelLinear if te else CompilableRowParallelLinear,
@@ -90,12 +92,16 @@ def attention_mixer_spec(backend: str, qk_layernorm: bool = False) -> ModuleSpec
     )
 
 
-def hybrid_layer_spec(symbol: str, backend: str = "local", qk_layernorm: bool = False) -> ModuleSpec:
+def hybrid_layer_spec(symbol: str, backend: str = "local", qk_layernorm: bool = False,
+                      keep_gdn_chunk_states: bool = True) -> ModuleSpec:
     """One decoder layer: the mixer named by `symbol` ("G" GDN, "*" attention) followed by the dense MLP."""
     if symbol not in MIXER_SYMBOLS:
         raise ValueError(f"layer symbol must be one of {MIXER_SYMBOLS} (G = GDN, * = attention), got {symbol!r}")
     te = check_backend(backend) == "te"
-    mixer = gdn_mixer_spec(backend) if symbol == GDN_SYMBOL else attention_mixer_spec(backend, qk_layernorm)
+    if symbol == GDN_SYMBOL:
+        mixer = gdn_mixer_spec(backend, keep_gdn_chunk_states)
+    else:
+        mixer = attention_mixer_spec(backend, qk_layernorm)
     fused_norm_owner = "self_attention.in_proj" if symbol == GDN_SYMBOL else "self_attention.linear_qkv"
     return ModuleSpec(
         module=TransformerLayer,

@@ -33,6 +33,7 @@ def build_hybrid_model(
     pg_collection=None,
     position_embedding_type: str = "rope",
     share_embeddings_and_output_weights: bool = False,
+    keep_gdn_chunk_states: bool = True,
     **gpt_kwargs,
 ):
     """Build this rank's pipeline stage of a hybrid GPTModel (GDN + attention layers, each followed by an MLP).
@@ -40,7 +41,8 @@ def build_hybrid_model(
     `config` is a megatron TransformerConfig with the `linear_*` GDN sizes set; megatron's parallel state must be
     initialized. `pattern` repeats over `config.num_layers` ("GGG*" = 3 GDN : 1 attention). backend="te" pins
     attention to TE's fused (cuDNN) backend and needs Transformer Engine; "local" needs only torch (SDPA cuDNN on
-    GPU, math on CPU).
+    GPU, math on CPU). `keep_gdn_chunk_states=False` has every GDN layer's backward recompute its chunk states
+    instead of keeping them from the forward: less activation memory for a slower backward.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -64,7 +66,8 @@ def build_hybrid_model(
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    block_spec = hybrid_block_spec(config, pattern, backend, vp_stage=vp_stage, pp_rank=pp_rank)
+    block_spec = hybrid_block_spec(config, pattern, backend, vp_stage=vp_stage, pp_rank=pp_rank,
+                                   keep_gdn_chunk_states=keep_gdn_chunk_states)
     if pg_collection is not None:
         gpt_kwargs["pg_collection"] = pg_collection
     return GPTModel(

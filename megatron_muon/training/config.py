@@ -34,6 +34,7 @@ class ModelSection:
     gdn_value_head_dim: int = 32
     gdn_conv_kernel: int = 4
     gdn_chunk_size: int = 64  # chunk the GDN kernel uses; enters the FLOPs accounting
+    gdn_keep_chunk_states: bool = True  # False: the backward recomputes the chunk states (less memory, slower)
     vocab_size: int = 256
     seq_length: int = 128
     swiglu: bool = True

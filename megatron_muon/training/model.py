@@ -131,6 +131,7 @@ def build_model(recipe: Recipe, config):
         position_embedding_type=model.position_embedding,
         share_embeddings_and_output_weights=not model.untie_embeddings,
         rotary_base=model.rotary_base,
+        keep_gdn_chunk_states=model.gdn_keep_chunk_states,
     )
 
 

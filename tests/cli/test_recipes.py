@@ -46,6 +46,13 @@ def test_hybrid_1p5b_is_the_reference_workload():
         assert load_recipe(name).model == m
 
 
+def test_the_h100_recipe_is_the_h200_one_with_recomputed_gdn_states():
+    h200, h100 = load_recipe("hybrid-1.5b-h200"), load_recipe("hybrid-1.5b-h100")
+    assert h200.model.gdn_keep_chunk_states and not h100.model.gdn_keep_chunk_states
+    assert {k for k, v in vars(h100.model).items() if vars(h200.model)[k] != v} == {"gdn_keep_chunk_states"}
+    assert (h100.optimizer, h100.training, h100.parallel) == (h200.optimizer, h200.training, h200.parallel)
+
+
 def test_qwen3_next_is_the_hybrid_with_qwen3_nexts_gdn_heads():
     """16 q/k heads and 32 value heads of 128 (FlashQLA's K = V = 128), a narrower FFN, the same parameter count."""
     hybrid, qwen = load_recipe("hybrid-1.5b-h200"), load_recipe("qwen3-next-1.5b-h200")

@@ -161,6 +161,35 @@ def test_te_paths_without_te_say_what_to_install():
         HybridPatternLayer(SimpleNamespace(num_layers=4), gdn_hybrid_te.submodules)
 
 
+def _gdn_states_kept_by_recipe(rank, world_size):
+    from megatron_muon.testing.parallel import init_model_parallel
+    from megatron_muon.training.model import build_model, transformer_config
+    from megatron_muon.training.recipes import load_recipe
+
+    init_model_parallel(tp=1)
+    kept = {}
+    for overrides in ([], ["model.gdn_keep_chunk_states=false"]):
+        recipe = load_recipe("tiny-cpu", overrides)
+        model = build_model(recipe, transformer_config(recipe, on_gpu=False))
+        kept[bool(overrides)] = [layer.self_attention.keep_chunk_states for layer in model.decoder.layers
+                                 if isinstance(layer.self_attention, GatedDeltaNet)]
+    return kept
+
+
+def test_the_recipes_gdn_state_choice_reaches_every_gdn_layer(rank_pool_1):
+    """Kept by default (the faster backward); `model.gdn_keep_chunk_states=false` recomputes them in every layer."""
+    kept = rank_pool_1.run(_gdn_states_kept_by_recipe)[0]
+    assert kept == {False: [True] * 3, True: [False] * 3}
+
+
+def test_layer_spec_passes_the_gdn_state_choice_to_gdn_mixers_only():
+    from megatron_muon.specs import hybrid_layer_spec
+
+    for keep in (True, False):
+        mixers = [hybrid_layer_spec(symbol, keep_gdn_chunk_states=keep).submodules.self_attention for symbol in "G*"]
+        assert [mixer.params.get("keep_chunk_states") for mixer in mixers] == [keep, None]
+
+
 def test_block_spec_rejects_unknown_backend():
     from types import SimpleNamespace
 
