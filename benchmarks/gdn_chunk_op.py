@@ -7,6 +7,8 @@ The input is what the layer feeds the op: q and unit-norm k [B=1, T, H, K], v [1
   FlashQLA through our chunk op       megatron_muon.ops.chunk_gated_delta_rule where FlashQLA runs it (installed,
                                       Hopper, bf16, K = V = 128)
   ours chunk op                       the same call with FlashQLA turned off: our kernels, chunk states kept
+  ours chunk op (recomputing ...)     the same, the backward recomputing the chunk states (the memory-lean choice,
+                                      `model.gdn_keep_chunk_states: false`)
   ours chunk op (STAGES)              the same with other kernels per stage (`ops/kernel_choice`): FLA's state
                                       recurrences or output gradients, our Triton states, the output terms fused
                                       into our state recurrences (both passes, or the backward only), or FLA's everywhere (our op still keeping the chunk
@@ -62,6 +64,10 @@ def _ours(q, k, v, g, beta):
     return chunk_gated_delta_rule(q, k, v, g, beta, keep_states_for_backward=True)[0]
 
 
+def _ours_recomputing(q, k, v, g, beta):
+    return chunk_gated_delta_rule(q, k, v, g, beta, keep_states_for_backward=False)[0]
+
+
 def _fla(q, k, v, g, beta):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
@@ -97,6 +103,8 @@ def chunk_op_variants(inputs: list[torch.Tensor], device: str) -> list[tuple[str
     if qualifies(q, v) and flashqla_enabled():
         variants.append(("FlashQLA through our chunk op", _ours, lambda: set_flashqla(None)))
     variants.append(("ours chunk op", _ours, _without_flashqla(GdnKernels())))
+    variants.append(("ours chunk op (recomputing its chunk states)", _ours_recomputing,
+                     _without_flashqla(GdnKernels())))
     if on_gpu:
         variants += [(f"ours chunk op ({suffix})", _ours, _without_flashqla(kernels))
                      for suffix, kernels in STAGE_VARIANTS]

@@ -18,6 +18,7 @@ def test_chunk_op_benchmark_smoke_with_profile(tmp_path):
                    cwd=BENCHMARKS.parent, timeout=600, capture_output=True)
     text = out.read_text()
     assert "| ours chunk op |" in text
+    assert "| ours chunk op (recomputing its chunk states) |" in text
     assert "### Where the time goes: ours chunk op (top 3" in text
     assert "| function | calls/step | self ms/step | cumulative ms/step |" in text  # the Python side
     assert "(states: fla)" not in text  # the per-stage variants choose CUDA kernels: GPU only
