@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -320,7 +321,7 @@ def main() -> None:
     config = megatron_config(sizes, device)
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), versions=package_versions(),
                 sizes=sizes, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                command="python " + " ".join(sys.argv))
+                command="python " + shlex.join(sys.argv))
     meta["backend"] = (f"{selected_backend()}, FlashQLA {'on' if flashqla_enabled() else 'off'}" if device == "cuda"
                        else "torch (cpu)")
     meta["profiles"] = profiles = {} if args.profile else None
