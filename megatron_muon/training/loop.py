@@ -19,6 +19,7 @@ from megatron_muon.training.compile import compile_model
 from megatron_muon.training.config import Recipe
 from megatron_muon.training.data import MicroBatches, build_train_dataset
 from megatron_muon.training.distributed import RunContext
+from megatron_muon.training.memory_hint import out_of_memory_hint
 from megatron_muon.training.model import (
     build_model,
     count_parameters,
@@ -384,6 +385,8 @@ def pretrain(recipe: Recipe, ctx: RunContext, evaluate: Callable[[Any], dict[str
             if stop_now:
                 break
     except BaseException as error:  # a crash or Ctrl-C: keep what the log has not shown yet
+        if isinstance(error, torch.OutOfMemoryError):
+            error.add_note(out_of_memory_hint(recipe))
         _record_failure(error, log, run.output_dir, _local_losses(unread_losses, first_unread))
         bar.close()
         raise

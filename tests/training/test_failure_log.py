@@ -5,7 +5,9 @@ from megatron_muon.training.report import read_jsonl
 FAIL_AT_CALL = 7  # one micro-batch per step: steps 1-6 finish, the log shows step 4, step 7 raises
 
 
-def _train_until_failure(rank, world_size, output_dir):
+def _train_until_failure(rank, world_size, output_dir, out_of_memory=False):
+    import torch
+
     from megatron_muon.training import loop
     from megatron_muon.training.distributed import current_context, init_parallel_state
     from megatron_muon.training.recipes import load_recipe
@@ -22,14 +24,14 @@ def _train_until_failure(rank, world_size, output_dir):
     def failing_forward_step(data_iterator, model_chunk):
         calls.append(None)
         if len(calls) == FAIL_AT_CALL:
-            raise RuntimeError("injected failure")
+            raise (torch.OutOfMemoryError if out_of_memory else RuntimeError)("injected failure")
         return original(data_iterator, model_chunk)
 
     loop.forward_step = failing_forward_step
     try:
         loop.pretrain(recipe, current_context())
     except RuntimeError as error:
-        return str(error)
+        return type(error).__name__, str(error), getattr(error, "__notes__", [])
     finally:
         loop.forward_step = original
     return None
@@ -37,13 +39,22 @@ def _train_until_failure(rank, world_size, output_dir):
 
 def test_failure_logs_the_error_and_unlogged_losses(rank_pool_1, tmp_path):
     (raised,) = rank_pool_1.run(_train_until_failure, str(tmp_path / "run"))
-    assert raised == "injected failure"
+    assert raised == ("RuntimeError", "injected failure", [])
     records = read_jsonl(tmp_path / "run" / "train_log.jsonl")
     assert [r["step"] for r in records if r["event"] == "step"] == [4]
     failed = records[-1]
     assert failed["event"] == "failed" and failed["error"] == "RuntimeError: injected failure"
     losses = failed["unlogged_local_losses"]
     assert sorted(losses) == ["5", "6"] and all(0.0 < loss < 20.0 for loss in losses.values())
+
+
+def test_out_of_memory_carries_the_recipes_levers_as_a_note(rank_pool_1, tmp_path):
+    (raised,) = rank_pool_1.run(_train_until_failure, str(tmp_path / "run"), True)
+    name, message, notes = raised
+    assert (name, message) == ("OutOfMemoryError", "injected failure") and len(notes) == 1
+    assert notes[0].startswith("Out of device memory while training recipe 'tiny-cpu'")
+    assert "--set model.gdn_keep_chunk_states=false" in notes[0]  # the tiny hybrid keeps its GDN states
+    assert read_jsonl(tmp_path / "run" / "train_log.jsonl")[-1]["error"] == "OutOfMemoryError: injected failure"
 
 
 def _train_pp2_until_failure(rank, world_size, output_dir):
