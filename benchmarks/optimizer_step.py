@@ -9,6 +9,7 @@ over embeddings, output layer and norms that a Muon training step also runs.
     python benchmarks/optimizer_step.py --scale 32 --repeats 2   # CPU smoke test of the script itself
     python benchmarks/optimizer_step.py --only-ours ...          # skip the slow baselines (quick re-measure)
     python benchmarks/optimizer_step.py --shapes gpt-7b --only-ours ...   # the 7B-class GPT's matrices instead
+    python benchmarks/optimizer_step.py --shapes gpt-7b --layers 16 ...   # its first 16 layers (an 80 GB card)
 
 The parameters' starting values are kept on the host between variants, so the 7B-class set (6.7B fp32 parameters and
 gradients, fused AdamW's two states) fits one H200.
@@ -63,8 +64,24 @@ HEADS_FOUR_STEPS = "ours (auto, MegaBatch, heads split, CUDA graph, polar_expres
 PROFILED = (GRAPHED, FOUR_STEPS, HEADS_FOUR_STEPS)  # the CUDA-graph rows: kernel time without host gaps
 
 
-def reference_params(device, scale: int, shapes: str = "hybrid-1.5b"):
-    """Matrices (with megatron's fused-projection tags) and the non-matrix rest, fp32 with random fp32 grads."""
+def layer_counts(shapes: str, layers: int | None) -> list[int]:
+    """How many of each shape set's matrices the first `layers` layers hold (all of them for None); every layer kind
+    repeats evenly, so `layers` must keep each count whole."""
+    shape_set = SHAPE_SETS[shapes]
+    total = shape_set["layers"]
+    if layers is None:
+        return [count for *_, count in shape_set["matrices"]]
+    counts = [count * layers / total for *_, count in shape_set["matrices"]]
+    if not 0 < layers <= total or any(c != int(c) for c in counts):
+        valid = [n for n in range(1, total + 1) if all(count * n % total == 0 for *_, count in shape_set["matrices"])]
+        raise ValueError(f"--layers {layers}: the {shapes} set's layer kinds divide evenly into {valid} of its "
+                         f"{total} layers; pass one of those.")
+    return [int(c) for c in counts]
+
+
+def reference_params(device, scale: int, shapes: str = "hybrid-1.5b", layers: int | None = None):
+    """Matrices (with megatron's fused-projection tags) and the non-matrix rest, fp32 with random fp32 grads; with
+    `layers`, the matrices and norms of the first `layers` layers, the embeddings and output layer whole."""
     generator = torch.Generator(device=device).manual_seed(0)
     shape_set = SHAPE_SETS[shapes]
 
@@ -74,7 +91,7 @@ def reference_params(device, scale: int, shapes: str = "hybrid-1.5b"):
         return p
 
     matrices = []
-    for _, rows, cols, sections, count in shape_set["matrices"]:
+    for (_, rows, cols, sections, _), count in zip(shape_set["matrices"], layer_counts(shapes, layers)):
         for _ in range(count):
             p = param(rows // scale, cols // scale)
             if sections is not None:
@@ -87,7 +104,7 @@ def reference_params(device, scale: int, shapes: str = "hybrid-1.5b"):
             matrices.append(p)
     vocab, hidden = shape_set["vocab"] // scale, shape_set["hidden"] // scale
     rest = [param(vocab, hidden), param(vocab, hidden)]
-    rest += [param(1, hidden) for _ in range(2 * shape_set["layers"] + 1)]
+    rest += [param(1, hidden) for _ in range(2 * (layers or shape_set["layers"]) + 1)]
     return matrices, rest
 
 
@@ -271,12 +288,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="markdown result file")
     parser.add_argument("--only-ours", action="store_true", help="fused AdamW and our default Muon only")
     parser.add_argument("--shapes", choices=tuple(SHAPE_SETS), default="hybrid-1.5b", help="the model's matrices")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="only the first N layers' matrices and norms (a model too big for the card's memory)")
     parser.add_argument("--profile", action="store_true",
                         help=f"add kernel tables of the steps {', '.join(PROFILED)} (where timed) to the report")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    matrices, rest = reference_params(device, args.scale, args.shapes)
+    try:
+        matrices, rest = reference_params(device, args.scale, args.shapes, args.layers)
+    except ValueError as error:
+        parser.error(str(error))
     groups = {"all": matrices + rest, "rest": rest, "matrices": matrices}
     snapshot = [p.detach().to("cpu", copy=True) for p in matrices + rest]
 
@@ -375,6 +397,9 @@ def main() -> None:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- device: {gpu}; torch {torch.__version__}, Triton {triton.__version__}",
         f"- command: `python {' '.join(sys.argv)}`",
+        *([f"- the first {args.layers} of the model's {SHAPE_SETS[args.shapes]['layers']} layers (their matrices "
+           "and norms) with the whole embedding and output layer: the ratios weigh the embeddings' AdamW more than "
+           "the whole model does"] if args.layers else []),
         f"- {len(matrices)} matrices ({numel['matrices'] / 1e9:.3f}B params, scale 1/{args.scale}), "
         f"all params {numel['all'] / 1e9:.3f}B; fp32 master weights and gradients; "
         f"median of {args.repeats} after {args.warmup} warm-up steps",

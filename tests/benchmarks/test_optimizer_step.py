@@ -44,3 +44,22 @@ def test_shape_sets_match_their_recipes():
     for shape_set in SHAPE_SETS.values():  # fused QKV rows are whole groups of megatron's sections
         for name, rows, _, sections, _ in shape_set["matrices"]:
             assert sections is None or rows % sum(sections) == 0, name
+
+
+def test_first_layers_hold_their_share_of_each_matrix_kind_and_the_whole_embeddings():
+    import pytest
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from optimizer_step import layer_counts, reference_params
+
+    assert layer_counts("gpt-7b", 16) == [16, 16, 16, 16]
+    assert layer_counts("hybrid-1.5b", 8) == [6, 6, 2, 2, 8, 8]  # GGG* twice: 6 GDN, 2 attention, 8 MLPs
+    assert layer_counts("hybrid-1.5b", None) == [18, 18, 6, 6, 24, 24]
+    with pytest.raises(ValueError, match=r"divide evenly into \[4, 8, 12, 16, 20, 24\]"):
+        layer_counts("hybrid-1.5b", 6)
+    with pytest.raises(ValueError, match="pass one of those"):
+        layer_counts("gpt-7b", 33)
+    matrices, rest = reference_params(torch.device("cpu"), 64, "gpt-7b", layers=2)
+    assert len(matrices) == 8 and [tuple(p.shape) for p in matrices[:2]] == [(192, 64), (192, 64)]
+    assert len(rest) == 2 + 2 * 2 + 1 and tuple(rest[0].shape) == (500, 64)  # embeddings whole, 2 norms per layer
