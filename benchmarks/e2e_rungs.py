@@ -29,7 +29,7 @@ gain of each, measured in the same run).
 `4g` is rung 4 with GDN's chunk-parallel backward in one kernel (`ops/chunk_bwd_fused.py`: the output gradients, the
 WY backward and the gate gradient's reverse cumsum), `4i` with the forward's chunk-parallel part in one kernel
 (`ops/chunk_fwd_intra.py`: the gate cumsum, the WY inverse, w and u), `4c` with both (the gain of each and of both,
-measured in the same run). `4s` is rung 4 with GDN's chunk states in segments side by side on our Triton kernels
+measured in the same run); `4ib` joins `4i` and `4b`, the two op-level gains at the hybrid's heads. `4s` is rung 4 with GDN's chunk states in segments side by side on our Triton kernels
 (`model.gdn_kernels` states `segments`, `ops/state_segments.py`).
 `4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
 `megatron_muon.megatron.main_grad_add.install_first_grad_overwrite`, measured in the same run).
@@ -112,6 +112,9 @@ RUNGS = {
     "4i": Rung("4i", "rung 4 with GDN's chunk-parallel forward in one kernel", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
                gdn_kernels=GdnKernels(intra="ours")),
+    "4ib": Rung("4ib", "rung 4 with GDN's chunk-parallel forward in one kernel and the backward's local dv inside "
+                "the state kernels", "ours", "cudnn", True, "adam", True, main_grad_add=True, one_pass_adamw=True,
+                first_grad_overwrite=True, gdn_kernels=GdnKernels(output_terms="backward", intra="ours")),
     "4c": Rung("4c", "rung 4 with GDN's chunk-parallel forward and backward in one kernel each", "ours", "cudnn", True,
                "adam", True, main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
                gdn_kernels=GdnKernels(output_grads="fused", intra="ours")),
