@@ -62,18 +62,31 @@ def _check_whole_matrices(buffer) -> None:
                     f"bucket, so no single rank owns it: the DDP layout is not an owner layout; {_WRAP_HINT}")
 
 
+_DUPLICATES: dict[tuple[int, ...], object] = {}  # ranks -> the duplicate group made for them, while it lives
+
+
+def _alive(group) -> bool:
+    return group is not None and group in torch.distributed.distributed_c10d._world.pg_map
+
+
 def _duplicate_group(group):
     """A process group with the same ranks as `group` (every rank of the world takes part), so the optimizer's
-    collectives during the backward queue apart from the model's own on that group."""
-    ranks = torch.distributed.get_process_group_ranks(group)
-    everyone = [None] * torch.distributed.get_world_size()
+    collectives during the backward queue apart from the model's own on that group. Made once per set of ranks and
+    reused by later optimizers while every rank still has it (each group costs a communicator, or gloo's threads)."""
+    ranks = tuple(torch.distributed.get_process_group_ranks(group))
+    world_size = torch.distributed.get_world_size()
+    everyone = [None] * world_size
     torch.distributed.all_gather_object(everyone, ranks)
-    mine = None
-    for candidate in sorted({tuple(r) for r in everyone}):
-        created = torch.distributed.new_group(list(candidate))
-        if list(candidate) == ranks:
-            mine = created
-    return mine
+    candidates = sorted(set(everyone))
+    # new_group is collective: reuse only where every rank still has its own duplicate (a rank outside a group holds
+    # a non-member placeholder for it)
+    reusable = [None] * world_size
+    torch.distributed.all_gather_object(reusable, all(c in _DUPLICATES for c in candidates)
+                                        and _alive(_DUPLICATES[ranks]))
+    if not all(reusable):
+        for candidate in candidates:
+            _DUPLICATES[candidate] = torch.distributed.new_group(list(candidate))
+    return _DUPLICATES[ranks]
 
 
 def build_owner_muon(config, model_chunks, config_overrides, pg_collection):
