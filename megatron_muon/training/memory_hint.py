@@ -4,10 +4,9 @@ The loop attaches this to the out-of-memory error as a note, so the traceback na
 
 from __future__ import annotations
 
+from megatron_muon.metrics.flops import GDN
 from megatron_muon.training.config import Recipe
 from megatron_muon.training.validation import full_layer_pattern
-
-GDN_SYMBOL = "G"
 
 
 def kept_gdn_state_bytes(recipe: Recipe) -> int:
@@ -15,8 +14,8 @@ def kept_gdn_state_bytes(recipe: Recipe) -> int:
     `model.gdn_keep_chunk_states` is on: w, the per-chunk states h and the corrected values (bf16), the amount
     `chunk_gated_delta_rule` names. Zero for a model without GDN layers."""
     model, parallel = recipe.model, recipe.parallel
-    gdn_layers = full_layer_pattern(recipe).count(GDN_SYMBOL)
-    if model.kind != "hybrid" or gdn_layers == 0:
+    gdn_layers = full_layer_pattern(recipe).count(GDN)
+    if gdn_layers == 0:
         return 0
     stage_layers = -(-gdn_layers // parallel.pipeline_model_parallel_size)
     heads = model.gdn_num_value_heads // parallel.tensor_model_parallel_size
