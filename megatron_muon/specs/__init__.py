@@ -5,7 +5,9 @@ Megatron-LM, GPT path (one layer = mixer + MLP):
     pretrain_gpt.py --spec megatron_muon.specs gdn_hybrid_te ...    (or gdn_hybrid_local)
   `--spec` hands the named object to GPTModel without calling it, so these names are specs, not functions; the
   pattern is "GGG*" unless `--linear-attention-freq N` is given. For another pattern, put
-  `my_spec = hybrid_pattern_layer_spec("GG*", "te")` in your own module and pass `--spec your.module my_spec`.
+  `my_spec = hybrid_pattern_layer_spec("GG*", "te")` in your own module and pass `--spec your.module my_spec`;
+  `keep_gdn_chunk_states=False` there (or in `hybrid_stack_spec`) has the GDN backward recompute its chunk states
+  instead of keeping them (less memory, a slower backward: the hybrid-1.5B at 16k on an 80 GB card).
 Megatron-LM, HybridModel path (one symbol per layer, MLP separate):
     pretrain_hybrid.py --spec megatron_muon.specs gdn_hybrid_stack_te --hybrid-layer-pattern "G-G-G-*-..."
   (`megatron_hybrid_pattern(num_layers)` writes that pattern string).

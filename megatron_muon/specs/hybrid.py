@@ -130,14 +130,16 @@ class HybridPatternLayer(BaseTransformerLayer):
 
 
 def hybrid_pattern_layer_spec(pattern: str = DEFAULT_PATTERN, backend: str = "local",
-                              qk_layernorm: bool = False) -> ModuleSpec:
-    """One spec for every layer of a GPTModel (the `--spec` form); see the module docstring."""
+                              qk_layernorm: bool = False, keep_gdn_chunk_states: bool = True) -> ModuleSpec:
+    """One spec for every layer of a GPTModel (the `--spec` form); see the module docstring
+    (`keep_gdn_chunk_states`: see `gdn_mixer_spec`)."""
     check_backend(backend)
     return ModuleSpec(
         module=HybridPatternLayer,
         submodules=HybridPatternSubmodules(
             pattern=check_pattern(pattern),
-            layer_specs={symbol: hybrid_layer_spec(symbol, backend, qk_layernorm) for symbol in MIXER_SYMBOLS},
+            layer_specs={symbol: hybrid_layer_spec(symbol, backend, qk_layernorm, keep_gdn_chunk_states)
+                         for symbol in MIXER_SYMBOLS},
             backend=backend,
         ),
     )

@@ -49,13 +49,14 @@ def _mixer_only_layer(mixer: ModuleSpec, te: bool) -> ModuleSpec:
     )
 
 
-def hybrid_stack_spec(backend: str = "te") -> ModuleSpec:
-    """A `hybrid_stack_spec` for HybridModel with our GDN in `gdn_layer` and cuDNN-pinned attention."""
+def hybrid_stack_spec(backend: str = "te", keep_gdn_chunk_states: bool = True) -> ModuleSpec:
+    """A `hybrid_stack_spec` for HybridModel with our GDN in `gdn_layer` and cuDNN-pinned attention
+    (`keep_gdn_chunk_states`: see `gdn_mixer_spec`)."""
     te = check_backend(backend) == "te"
     return ModuleSpec(
         module=HybridStack if te else LocalNormHybridStack,
         submodules=HybridStackSubmodules(
-            gdn_layer=_mixer_only_layer(gdn_mixer_spec(backend), te),
+            gdn_layer=_mixer_only_layer(gdn_mixer_spec(backend, keep_gdn_chunk_states), te),
             attention_layer=_mixer_only_layer(attention_mixer_spec(backend), te),
             mlp_layer=ModuleSpec(
                 module=MLPLayer,

@@ -185,9 +185,17 @@ def test_the_recipes_gdn_state_choice_reaches_every_gdn_layer(rank_pool_1):
 def test_layer_spec_passes_the_gdn_state_choice_to_gdn_mixers_only():
     from megatron_muon.specs import hybrid_layer_spec
 
+    from megatron_muon.specs import hybrid_pattern_layer_spec, hybrid_stack_spec
+
     for keep in (True, False):
         mixers = [hybrid_layer_spec(symbol, keep_gdn_chunk_states=keep).submodules.self_attention for symbol in "G*"]
         assert [mixer.params.get("keep_chunk_states") for mixer in mixers] == [keep, None]
+        # the Megatron-LM `--spec` forms: GPTModel's pattern layer and HybridModel's stack
+        by_symbol = hybrid_pattern_layer_spec("GGG*", keep_gdn_chunk_states=keep).submodules.layer_specs
+        assert by_symbol["G"].submodules.self_attention.params == {"keep_chunk_states": keep}
+        assert by_symbol["*"].submodules.self_attention.params.get("keep_chunk_states") is None
+        stack = hybrid_stack_spec("local", keep_gdn_chunk_states=keep).submodules
+        assert stack.gdn_layer.submodules.self_attention.params == {"keep_chunk_states": keep}
 
 
 def test_block_spec_rejects_unknown_backend():
