@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 
+from megatron_muon.distributed.process_groups import is_alive
 from megatron_muon.megatron.nonfinite_check import DEFAULT_NONFINITE_CHECK
 from megatron_muon.megatron.owner_layout import TAG, tag_fused_projections
 from megatron_muon.megatron.owner_chain import OwnerMuonChain
@@ -65,10 +66,6 @@ def _check_whole_matrices(buffer) -> None:
 _DUPLICATES: dict[tuple[int, ...], object] = {}  # ranks -> the duplicate group made for them, while it lives
 
 
-def _alive(group) -> bool:
-    return group is not None and group in torch.distributed.distributed_c10d._world.pg_map
-
-
 def _duplicate_group(group):
     """A process group with the same ranks as `group` (every rank of the world takes part), so the optimizer's
     collectives during the backward queue apart from the model's own on that group. Made once per set of ranks and
@@ -82,7 +79,7 @@ def _duplicate_group(group):
     # a non-member placeholder for it)
     reusable = [None] * world_size
     torch.distributed.all_gather_object(reusable, all(c in _DUPLICATES for c in candidates)
-                                        and _alive(_DUPLICATES[ranks]))
+                                        and is_alive(_DUPLICATES[ranks]))
     if not all(reusable):
         for candidate in candidates:
             _DUPLICATES[candidate] = torch.distributed.new_group(list(candidate))

@@ -46,12 +46,13 @@ def destroy_model_parallel() -> None:
     global _current_layout
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
-    from torch.distributed import distributed_c10d
+
+    from megatron_muon.distributed.process_groups import live_groups
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    for group in list(distributed_c10d._world.pg_map.keys()):
-        if group is not distributed_c10d.GroupMember.WORLD:
+    for group in live_groups():
+        if group is not torch.distributed.group.WORLD:
             torch.distributed.destroy_process_group(group)
     destroy_num_microbatches_calculator()
     _current_layout = None

@@ -97,16 +97,17 @@ def init_parallel_state(tp: int, pp: int) -> None:
     its process groups: megatron's `destroy_model_parallel` forgets them without destroying them, and every gloo
     group keeps threads that wake up while idle, so a process that re-initializes slows down each time."""
     from megatron.core import parallel_state
-    from torch.distributed import distributed_c10d
+
+    from megatron_muon.distributed.process_groups import is_alive, live_groups
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     for group in _LAYOUT_GROUPS:
-        if group in distributed_c10d._world.pg_map:  # not already destroyed by someone else
+        if is_alive(group):  # not already destroyed by someone else
             torch.distributed.destroy_process_group(group)
-    before = set(distributed_c10d._world.pg_map)
+    before = set(live_groups())
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    _LAYOUT_GROUPS[:] = [group for group in distributed_c10d._world.pg_map if group not in before]
+    _LAYOUT_GROUPS[:] = [group for group in live_groups() if group not in before]
 
 
 def init_distributed(tp: int, pp: int, torch_compile: bool = False) -> RunContext:

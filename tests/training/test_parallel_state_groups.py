@@ -1,0 +1,25 @@
+"""Re-initializing megatron's parallel state in one process destroys the process groups of the layout it replaces
+(megatron's own teardown forgets them, and each gloo group keeps threads alive)."""
+
+
+def _reinitialize(rank, world_size):
+    import torch
+
+    from megatron_muon.distributed.process_groups import is_alive, live_groups
+    from megatron_muon.training.distributed import init_parallel_state
+
+    init_parallel_state(1, 1)
+    first = [group for group in live_groups() if group is not torch.distributed.group.WORLD]
+    counts = []
+    for tp in (2, 1, 1):
+        init_parallel_state(tp, 1)
+        counts.append(len(live_groups()))
+    init_parallel_state(1, 1)
+    return {"first layout's groups destroyed": not any(is_alive(group) for group in first),
+            "same count for the same layout": counts[1] == counts[2] == len(live_groups()),
+            "made groups": len(first) > 0}
+
+
+def test_init_parallel_state_destroys_the_replaced_layouts_groups(rank_pool_2):
+    for checks in rank_pool_2.run(_reinitialize):
+        assert all(checks.values()), checks
