@@ -32,6 +32,7 @@ from kernel_profile import kernel_table, profile_markdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_muon.metrics.mfu import peak_tflops  # noqa: E402
 from megatron_muon.optimizer import Muon, fused_elementwise  # noqa: E402
 
 # (name, rows, cols, fused sections per group or None, count) per shape set, with (vocab, hidden, layers) and the GDN
@@ -177,9 +178,11 @@ def replayed_ms(call, device, warmup: int, repeats: int) -> float | None:
 
 
 @torch.no_grad()
-def ns_per_stack(optimizer: Muon, device, warmup: int, repeats: int) -> list[tuple[str, str, float, float | None]]:
-    """(stack [count, rows, cols], NS method, ms, ms from a CUDA graph) for each batched orthogonalize call of a
-    step, each timed alone: which stacks the Newton–Schulz time goes to, with and without the host's launches."""
+def ns_per_stack(optimizer: Muon, device, warmup: int, repeats: int) -> list[tuple[str, str, float, float | None, int]]:
+    """(stack [count, rows, cols], NS method, ms, ms from a CUDA graph, FLOPs as executed) for each batched
+    orthogonalize call of a step, each timed alone: which stacks the Newton–Schulz time goes to, with and without
+    the host's launches, and how close each runs to the GPU's peak."""
+    from megatron_muon.kernels.flops import flops
     from megatron_muon.kernels.newton_schulz import choose_method
 
     plan, stack_all = _stack_builder(optimizer, device)
@@ -187,11 +190,44 @@ def ns_per_stack(optimizer: Muon, device, warmup: int, repeats: int) -> list[tup
     for bucket, stacked in zip(plan.buckets, stack_all()):
         call = lambda: optimizer._orthogonalize_bucket(bucket, stacked, True)  # noqa: E731
         ms = timed(call, device, warmup, repeats)
-        method = optimizer.param_groups[bucket.group_index]["method"]
+        group = optimizer.param_groups[bucket.group_index]
+        method = group["method"]
+        count, m, n = stacked.shape if stacked.dim() == 3 else (1, *stacked.shape)
+        executed = flops(m, n, method, group["ns_steps"], count, coefficients=group["coefficients"], symmetric=True)
         if method == "auto":
-            method = f"auto: {choose_method(*stacked.shape[-2:])}"
-        rows.append((" × ".join(map(str, stacked.shape)), method, ms, replayed_ms(call, device, warmup, repeats)))
+            method = f"auto: {choose_method(m, n)}"
+        rows.append((" × ".join(map(str, stacked.shape)), method, ms, replayed_ms(call, device, warmup, repeats),
+                     executed))
     return sorted(rows, key=lambda row: -row[2])
+
+
+def _tflops(flop: int, ms: float | None) -> str:
+    return "-" if not ms else f"{flop / ms / 1e9:.0f}"
+
+
+def floor_lines(stacks, adamw_ms: float, matrix_params: int, all_params: int, peak: float | None) -> list[str]:
+    """The step's floor in units of fused AdamW: Newton–Schulz's executed FLOPs at the GPU's dense fp16 peak plus
+    the bytes no Muon step can avoid (read the gradient, read and write momentum and master: 20 per matrix
+    parameter) at the bandwidth fused AdamW reaches here (its 28 bytes per parameter over its measured time)."""
+    if not peak:
+        return []
+    ns_flop = sum(row[4] for row in stacks)
+    ns_floor = ns_flop / (peak * 1e9)
+    bandwidth = 28 * all_params / (adamw_ms * 1e-3)
+    bytes_floor = 20 * matrix_params / bandwidth * 1e3
+    measured = [row[3] for row in stacks]
+    lines = ["", f"Floor of the default step (no schedule change): Newton–Schulz executes {ns_flop / 1e12:.2f} TFLOP "
+             f"(symmetric products at half), {ns_floor:.2f} ms at the dense fp16 peak ({peak:.0f} TFLOP/s); the "
+             f"bytes every Muon step moves (20 per matrix parameter) take {bytes_floor:.2f} ms at fused AdamW's "
+             f"{bandwidth / 1e12:.2f} TB/s here. Floor {ns_floor + bytes_floor:.2f} ms = "
+             f"{(ns_floor + bytes_floor) / adamw_ms:.2f}× fused AdamW"]
+    if None not in measured:
+        rate = ns_flop / sum(measured) / 1e9
+        lines[-1] += (f"; at the {rate:.0f} TFLOP/s the stacks reach from a CUDA graph "
+                      f"({rate / peak:.0%} of peak), {(ns_flop / (rate * 1e9) + bytes_floor) / adamw_ms:.2f}×.")
+    else:
+        lines[-1] += "."
+    return lines
 
 
 def _ms(value: float | None) -> str:
@@ -381,12 +417,18 @@ def main() -> None:
     table += [f"| {name} | {cpu_ms:.2f} | {launches:.0f} |" for name, (cpu_ms, launches) in host.items()]
     for title, rows_of in (("", stacks), (f", {HEADS}", head_stacks)):
         table += ["", f"Newton–Schulz per stack{title} (each batched call of one step timed alone, slowest first; "
-                  "'from a CUDA graph': the same call replayed, the GPU's time without host gaps):",
-                  "", "| stack (count × rows × cols) | method | ms | from a CUDA graph, ms |", "|---|---|---:|---:|"]
-        table += [f"| {shape} | {method} | {ms:.2f} | {_ms(graph_ms)} |" for shape, method, ms, graph_ms in rows_of]
-        graphed = [graph_ms for *_, graph_ms in rows_of]
-        table += [f"| all stacks, summed | | {sum(row[2] for row in rows_of):.2f} | "
-                  f"{_ms(None if None in graphed else sum(graphed))} |"]
+                  "'from a CUDA graph': the same call replayed, the GPU's time without host gaps;"
+                  " TFLOP/s: executed FLOPs (symmetric products at half) over the graphed time):",
+                  "", "| stack (count × rows × cols) | method | ms | from a CUDA graph, ms | TFLOP/s |",
+                  "|---|---|---:|---:|---:|"]
+        table += [f"| {shape} | {method} | {ms:.2f} | {_ms(graph_ms)} | {_tflops(flop, graph_ms)} |"
+                  for shape, method, ms, graph_ms, flop in rows_of]
+        graphed = [row[3] for row in rows_of]
+        graphed_sum = None if None in graphed else sum(graphed)
+        table += [f"| all stacks, summed | | {sum(row[2] for row in rows_of):.2f} | {_ms(graphed_sum)} | "
+                  f"{_tflops(sum(row[4] for row in rows_of), graphed_sum)} |"]
+    peak = peak_tflops(torch.cuda.get_device_name(), "fp16") if device.type == "cuda" else None
+    table += floor_lines(stacks, adamw, numel["matrices"], numel["all"], peak)
     table += profiles
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "CPU"
     import triton

@@ -63,3 +63,20 @@ def test_first_layers_hold_their_share_of_each_matrix_kind_and_the_whole_embeddi
     matrices, rest = reference_params(torch.device("cpu"), 64, "gpt-7b", layers=2)
     assert len(matrices) == 8 and [tuple(p.shape) for p in matrices[:2]] == [(192, 64), (192, 64)]
     assert len(rest) == 2 + 2 * 2 + 1 and tuple(rest[0].shape) == (500, 64)  # embeddings whole, 2 norms per layer
+
+
+def test_floor_counts_newton_schulz_at_peak_and_the_unavoidable_bytes_at_adamws_bandwidth():
+    sys.path.insert(0, str(BENCHMARKS))
+    from optimizer_step import floor_lines
+
+    # 2 stacks, 989 GFLOP in all = 1 ms at 989 TFLOP/s; AdamW moves 28 B x 1e9 params in 10 ms (2.8 TB/s), so the
+    # 20 B x 0.5e9 matrix params take 10e9 / 2.8e12 s = 3.571 ms; floor 4.571 ms = 0.457 x AdamW.
+    stacks = [("2 × 8 × 16", "auto: gram", 9.0, 2.0, 600 * 10**9), ("1 × 8 × 8", "standard", 3.0, 1.0, 389 * 10**9)]
+    line = floor_lines(stacks, 10.0, 500_000_000, 1_000_000_000, 989.0)[-1]
+    assert "0.99 TFLOP" in line and "1.00 ms at the dense fp16 peak (989 TFLOP/s)" in line
+    assert "3.57 ms at fused AdamW's 2.80 TB/s" in line and "Floor 4.57 ms = 0.46× fused AdamW" in line
+    # the graphed stacks ran 3 ms in all: 330 TFLOP/s, 33% of peak, (3 + 3.571) / 10 = 0.66x
+    assert "at the 330 TFLOP/s the stacks reach from a CUDA graph (33% of peak), 0.66×." in line
+    assert floor_lines(stacks, 10.0, 1, 1, None) == []  # no known peak (CPU): no floor
+    stacks[1] = stacks[1][:3] + (None, stacks[1][4])
+    assert floor_lines(stacks, 10.0, 500_000_000, 1_000_000_000, 989.0)[-1].endswith("fused AdamW.")
