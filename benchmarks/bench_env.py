@@ -1,10 +1,12 @@
-"""Versions of the packages a benchmark result depends on, written next to every number; shared inputs."""
+"""Versions of the packages a benchmark result depends on, written next to every number; shared inputs and timing."""
 
 from __future__ import annotations
 
 import gc
 import itertools
+import statistics
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -126,3 +128,24 @@ def git_revision() -> str:
                               cwd=Path(__file__).resolve().parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def timed(call, device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of `call()` after warm-up (CUDA events on GPU, the wall clock on CPU)."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench_env import emit_markdown  # benchmarks/ is the script's directory
+from bench_env import emit_markdown, timed  # benchmarks/ is the script's directory
 from kernel_profile import kernel_table, profile_markdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -107,27 +107,6 @@ def reference_params(device, scale: int, shapes: str = "hybrid-1.5b", layers: in
     rest = [param(vocab, hidden), param(vocab, hidden)]
     rest += [param(1, hidden) for _ in range(2 * (layers or shape_set["layers"]) + 1)]
     return matrices, rest
-
-
-def timed(step, device, warmup: int, repeats: int) -> float:
-    """Median milliseconds of `step()` after warm-up (CUDA events on GPU)."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
 
 
 BREAKDOWN_ROWS = {

@@ -12,14 +12,12 @@ kernel runs best with. TFLOP/s count what each kernel executes: the full product
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from bench_env import emit_markdown  # benchmarks/ is the script's directory
+from bench_env import emit_markdown, timed  # benchmarks/ is the script's directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,26 +32,6 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"shape {text!r}: write it as COUNTxROWSxINNER, e.g. 24x2048x11264") from None
     return count, rows, inner
-
-
-def timed(call, device, warmup: int, repeats: int) -> float:
-    """Median ms of `repeats` calls after `warmup`, by CUDA events (wall clock on CPU)."""
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def kernels(device, stages: list[int], registers: list[int]):
