@@ -295,6 +295,10 @@ def make_variants(has_cuda: bool, qkv_sections: list[int]):
     return variants
 
 
+# --symmetric-kernels: the Hopper kernels (modules of megatron_muon.kernels) each choice leaves in the dispatch
+SYMMETRIC_KERNELS = {"all": ("symmetric_wide", "symmetric_ws"), "ping-pong": ("symmetric_ws", ), "triton": ()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=int, default=1, help="divide every dimension (CPU smoke tests)")
@@ -307,7 +311,13 @@ def main() -> None:
                         help="only the first N layers' matrices and norms (a model too big for the card's memory)")
     parser.add_argument("--profile", action="store_true",
                         help=f"add kernel tables of the steps {', '.join(PROFILED)} (where timed) to the report")
+    parser.add_argument("--symmetric-kernels", choices=tuple(SYMMETRIC_KERNELS), default="all",
+                        help="which Hopper symmetric kernels Newton–Schulz may use (an ablation; 'all' is the default)")
     args = parser.parse_args()
+    from megatron_muon.kernels import symmetric
+
+    symmetric.HOPPER_KERNELS = tuple(k for k in symmetric.HOPPER_KERNELS
+                                     if k[0].__name__.rsplit(".", 1)[-1] in SYMMETRIC_KERNELS[args.symmetric_kernels])
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

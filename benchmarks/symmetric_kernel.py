@@ -2,8 +2,9 @@
 
 Newton–Schulz's time is mostly these products (`optimizer_step.py`'s kernel table), so this says how far each of
 our kernels is from cuBLAS's rate on the same shapes, and which ring depth and register budget the warp-specialized
-kernel runs best with. TFLOP/s count what each kernel executes: the full product for cuBLAS, half of it for ours
+ping-pong kernel runs best with. TFLOP/s count what each kernel executes: the full product for cuBLAS, half of it for ours
 (lower tiles only, mirrored). "× cuBLAS time": ours over cuBLAS's full product (0.5 would be cuBLAS's rate).
+Square stacks (rows = inner) are Newton–Schulz's m×m products: c·R·R + b·R with R symmetric, C read in the epilogue.
 
   python benchmarks/symmetric_kernel.py --out benchmarks/results/symmetric_kernel.md
   python benchmarks/symmetric_kernel.py --stages 3 4 5 --registers 224 240     # the Gluon kernel's settings
@@ -22,8 +23,9 @@ from bench_env import emit_markdown, timed  # benchmarks/ is the script's direct
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (count, rows, inner) of the hybrid-1.5B's Muon step: the Gram of fc1 (X·Xᵀ over the long side), the m×m products
-# of every 2048-row stack, the Gram of the GDN in_proj's q/k sections.
-DEFAULT_SHAPES = ("24x2048x11264", "24x2048x2048", "36x2048x3072", "36x1536x2048")
+# of every 2048-row stack, the Gram of the GDN in_proj's q/k sections and their m×m products.
+DEFAULT_SHAPES = ("24x2048x11264", "24x2048x2048", "36x2048x3072", "36x1536x2048", "36x1536x1536")
+ALPHA, BETA = 2.0315, -4.775  # the m×m products' c·R·R + b·R (rows == inner), as `simple`'s last two coefficients
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -34,28 +36,52 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return count, rows, inner
 
 
-def kernels(device, stages: list[int], registers: list[int]):
-    """(name, executed fraction of the full product, call(A) -> out, setup) for every kernel that runs here."""
-    yield "cuBLAS full product (torch.bmm)", 1.0, lambda A: torch.bmm(A, A.mT), None
+def scales(C) -> tuple[float, float]:
+    return (ALPHA, BETA) if C is not None else (1.0, 0.0)
+
+
+def kernels(device, stages: list[int], registers: list[int], wide: list[tuple[int, int]]):
+    """(name, executed fraction of the full product, call(A, C) -> out, setup, ready(A, C)) for every kernel here."""
+    yield ("cuBLAS full product (torch.bmm / baddbmm)", 1.0,
+           lambda A, C: torch.bmm(A, A.mT) if C is None else torch.baddbmm(C, A, A.mT, beta=BETA, alpha=ALPHA),
+           None, None)  # alpha and beta apply where C is given (the m×m products); X·Xᵀ is the plain product
     if device.type != "cuda":
         return
-    from megatron_muon.kernels import symmetric, symmetric_ws
+    from megatron_muon.kernels import symmetric, symmetric_wide, symmetric_ws
 
-    yield "ours, Triton (autotuned)", 0.5, lambda A: symmetric.symmetric_matmul(A, A), None
+    yield "ours, Triton (autotuned)", 0.5, lambda A, C: symmetric.symmetric_matmul(A, A, C, *scales(C)), None, None
+    for tile_k, depth in wide:
+        def setup(tile_k=tile_k, depth=depth):
+            symmetric_wide.TILE_K, symmetric_wide.STAGES = tile_k, depth
+        yield (f"ours, Gluon wide 128 × 256 tiles, k-slices of {tile_k}, {depth} stages", 0.5,
+               lambda A, C: symmetric_wide.symmetric_matmul_wide(A, A, C, *scales(C)), setup,
+               lambda A, C: symmetric_wide.ready(A, A, C))
     for depth in stages:
         for budget in registers:
             def setup(depth=depth, budget=budget):
                 symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS = depth, budget
-            yield (f"ours, Gluon warp-specialized, {depth} stages, {budget} registers", 0.5,
-                   lambda A: symmetric_ws.symmetric_matmul_ws(A, A), setup)
+            yield (f"ours, Gluon ping-pong 128 × 128 tiles, {depth} stages, {budget} registers", 0.5,
+                   lambda A, C: symmetric_ws.symmetric_matmul_ws(A, A, C, *scales(C)), setup,
+                   lambda A, C: symmetric_ws.ready(A, A, C))
+
+
+def parse_wide(text: str) -> tuple[int, int]:
+    try:
+        tile_k, depth = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write it as KSLICExSTAGES, e.g. 32x4") from None
+    return tile_k, depth
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in DEFAULT_SHAPES])
-    parser.add_argument("--stages", nargs="+", type=int, default=[4], help="the Gluon kernel's ring depths to time")
+    parser.add_argument("--stages", nargs="+", type=int, default=[4],
+                        help="the ping-pong kernel's ring depths to time")
     parser.add_argument("--registers", nargs="+", type=int, default=[224],
-                        help="the Gluon kernel's register budgets per consumer thread to time")
+                        help="the ping-pong kernel's register budgets per consumer thread to time")
+    parser.add_argument("--wide", nargs="+", type=parse_wide, default=[(32, 4)],
+                        help="the wide kernel's k-slice and ring depth to time, as KSLICExSTAGES")
     parser.add_argument("--scale", type=int, default=1, help="divide rows and inner by this (CPU smoke tests)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
@@ -64,31 +90,36 @@ def main(argv=None) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    from megatron_muon.kernels import symmetric_ws
+    from megatron_muon.kernels import symmetric_wide, symmetric_ws
 
-    defaults = (symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS)
+    defaults = (symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS, symmetric_wide.TILE_K, symmetric_wide.STAGES)
     lines = ["| stack (count × rows × inner) | kernel | ms | executed TFLOP/s | × cuBLAS time | max abs. diff. |",
              "|---|---|---:|---:|---:|---:|"]
     for count, rows, inner in args.shapes:
         rows, inner = max(1, rows // args.scale), max(1, inner // args.scale)
         A = torch.randn(count, rows, inner, device=device, dtype=dtype) / inner ** 0.5
+        C = None
+        if rows == inner:  # an m×m product as Newton–Schulz runs it: b·R + c·R·R with R symmetric
+            A = C = ((A + A.mT) * 0.5).contiguous()
         full_flop = 2 * count * rows * rows * inner
         reference = torch.bmm(A.double(), A.double().mT)
+        if C is not None:
+            reference = ALPHA * reference + BETA * C.double()
         base_ms = None
-        for name, fraction, call, setup in kernels(device, args.stages, args.registers):
+        for name, fraction, call, setup, ready in kernels(device, args.stages, args.registers, args.wide):
             if setup is not None:
                 setup()
-            if device.type == "cuda" and name.startswith("ours, Gluon") and not symmetric_ws.ready(A, A, None):
-                lines.append(f"| {count} × {rows} × {inner} | {name} | - | - | - | not run: `symmetric_ws.ready` "
+            if ready is not None and not ready(A, C):
+                lines.append(f"| {count} × {rows} × {inner} | {name} | - | - | - | not run: the kernel's `ready` "
                              "is false here |")
                 continue
-            ms = timed(lambda: call(A), device, args.warmup, args.repeats)
+            ms = timed(lambda: call(A, C), device, args.warmup, args.repeats)
             base_ms = ms if base_ms is None else base_ms
-            error = (call(A).double() - reference).abs().max().item()
+            error = (call(A, C).double() - reference).abs().max().item()
             lines.append(f"| {count} × {rows} × {inner} | {name} | {ms:.3f} | {fraction * full_flop / ms / 1e9:.0f} "
                          f"| {ms / base_ms:.3f} | {error:.1e} |")
             print(lines[-1], flush=True)
-    symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS = defaults
+    symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS, symmetric_wide.TILE_K, symmetric_wide.STAGES = defaults
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     header = ["# Symmetric products alone: ours against cuBLAS's full product", "",
               f"- device: {gpu}; torch {torch.__version__}; {dtype}; median of {args.repeats} after {args.warmup}",

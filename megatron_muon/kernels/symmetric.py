@@ -9,7 +9,7 @@ asynchronously from shared memory), and TMA configs may be persistent (one progr
 tiles, so a tile's loads overlap the previous tile's stores); the autotuner picks per (rows, inner dim). TMA stores
 matter most: the transposed pointer store of the mirror tile made the epilogue a large share of a product's time
 (docs/design/newton_schulz.md). A fixed small config under TRITON_INTERPRET=1 (CPU debugging).
-On Hopper, `TritonOps.sym_mm` prefers the warp-specialized Gluon kernel (`symmetric_ws.py`) wherever it applies.
+On Hopper, `TritonOps.sym_mm` prefers the Gluon kernels (`HOPPER_KERNELS`, in order) wherever they apply.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from megatron_muon.kernels import scaled_copy as scaled_copy_kernel
-from megatron_muon.kernels import symmetric_ws
+from megatron_muon.kernels import symmetric_wide, symmetric_ws
 from megatron_muon.kernels.ops import TorchOps, sm_count
 from megatron_muon.kernels.triton_math import INTERPRETING
 
@@ -298,6 +298,16 @@ def _grid(m: int, batch: int, meta: dict, sms: int) -> tuple[int, int]:
 # (a launch-size heuristic: the measured shapes all have >= 1024 rows).
 MIN_TRITON_ROWS = 256
 
+# The warp-specialized Gluon kernels for Hopper, in order of preference, as (module, its product's name, the least
+# rows and inner dimension it is chosen for). Wide 128 × 256 tiles shared by two warpgroups run the main loop
+# faster, but their epilogue stops the tensor cores, which 128 × 128 ping-pong tiles hide behind the other
+# warpgroup's MMAs: the wide tiles win where a tile's main loop is long against its epilogue. In the Muon step they
+# won on the long Grams and lost on the m×m products of 2048 (`optimizer_step_h100_wide.md`), and alone they lost
+# on 1536 rows (`symmetric_kernel_wide.md`). Each module has `ready`, `disable` and `FRONTEND_ERRORS`.
+WIDE_MIN_ROWS, WIDE_MIN_INNER = 2048, 3072
+HOPPER_KERNELS = ((symmetric_wide, "symmetric_matmul_wide", WIDE_MIN_ROWS, WIDE_MIN_INNER),
+                  (symmetric_ws, "symmetric_matmul_ws", 0, 0))
+
 
 class TritonOps:
     """Symmetric products and the input normalization in Triton (half the tiles; one coalesced pass); general
@@ -318,9 +328,10 @@ class TritonOps:
         if A.dtype == torch.float64 or (A.size(-2) < MIN_TRITON_ROWS and not INTERPRETING):
             return TorchOps.sym_mm(A, B, C, alpha, beta)
         C = C if beta != 0.0 else None
-        if not INTERPRETING and symmetric_ws.ready(A, B, C):  # the Hopper warp-specialized kernel
-            try:
-                return symmetric_ws.symmetric_matmul_ws(A, B, C, alpha, beta)
-            except symmetric_ws.FRONTEND_ERRORS as error:  # a Gluon API this kernel does not match
-                symmetric_ws.disable(error)
+        for kernel, product, min_rows, min_inner in HOPPER_KERNELS if not INTERPRETING else ():
+            if A.size(-2) >= min_rows and A.size(-1) >= min_inner and kernel.ready(A, B, C):
+                try:
+                    return getattr(kernel, product)(A, B, C, alpha, beta)
+                except kernel.FRONTEND_ERRORS as error:  # a Gluon API this kernel does not match
+                    kernel.disable(error)
         return symmetric_matmul(A, B, C, alpha, beta)

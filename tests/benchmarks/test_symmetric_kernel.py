@@ -16,7 +16,9 @@ def test_symmetric_kernel_benchmark_smoke(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| 24 × 32 × 176 |")]
     assert len(rows) == 1 and "cuBLAS full product" in rows[0] and rows[0].split("|")[5].strip() == "1.000"
     assert float(rows[0].split("|")[6]) < 1e-4  # fp32 product against the fp64 one (unit-scale entries)
-    assert text.count("cuBLAS full product") == 4  # one per default shape
+    assert text.count("cuBLAS full product") == 5  # one per default shape
+    square = [line for line in text.splitlines() if line.startswith("| 24 × 32 × 32 |")]
+    assert len(square) == 1 and float(square[0].split("|")[6]) < 1e-4  # b·R + c·R·R against fp64
 
 
 def test_symmetric_kernel_benchmark_names_the_shape_format():
