@@ -312,7 +312,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help=f"add kernel tables of the steps {', '.join(PROFILED)} (where timed) to the report")
     parser.add_argument("--symmetric-kernels", choices=tuple(SYMMETRIC_KERNELS), default="all",
-                        help="which Hopper symmetric kernels Newton–Schulz may use (an ablation; 'all' is the default)")
+                        help="the Hopper symmetric kernels Newton–Schulz may use (an ablation; 'all' is the default)")
     args = parser.parse_args()
     from megatron_muon.kernels import symmetric
 

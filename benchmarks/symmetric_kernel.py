@@ -1,13 +1,14 @@
 """Symmetric products (X·Xᵀ, R·R) alone: our kernels against cuBLAS's full product, per Newton–Schulz stack shape.
 
 Newton–Schulz's time is mostly these products (`optimizer_step.py`'s kernel table), so this says how far each of
-our kernels is from cuBLAS's rate on the same shapes, and which ring depth and register budget the warp-specialized
-ping-pong kernel runs best with. TFLOP/s count what each kernel executes: the full product for cuBLAS, half of it for ours
-(lower tiles only, mirrored). "× cuBLAS time": ours over cuBLAS's full product (0.5 would be cuBLAS's rate).
-Square stacks (rows = inner) are Newton–Schulz's m×m products: c·R·R + b·R with R symmetric, C read in the epilogue.
+our kernels is from cuBLAS's rate on the same shapes, and which settings the Gluon kernels run best with. TFLOP/s
+count what each kernel executes: the full product for cuBLAS, half of it for ours (lower tiles only, mirrored).
+"× cuBLAS time": ours over cuBLAS's full product (0.5 would be cuBLAS's rate). Square stacks (rows = inner) are
+Newton–Schulz's m×m products: c·R·R + b·R with R symmetric, C read in the epilogue.
 
   python benchmarks/symmetric_kernel.py --out benchmarks/results/symmetric_kernel.md
-  python benchmarks/symmetric_kernel.py --stages 3 4 5 --registers 224 240     # the Gluon kernel's settings
+  python benchmarks/symmetric_kernel.py --stages 3 4 5 --registers 224 240     # the ping-pong kernel's settings
+  python benchmarks/symmetric_kernel.py --wide 32x4 64x2                       # the wide kernel's k-slice and ring
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Same contract as `symmetric_ws.symmetric_matmul_ws`. Where that kernel gives each of two consumer warpgroups its own
 128 × 128 tile (ping-pong), here both warpgroups share one 128 × 256 tile, 64 rows each, so every MMA is Hopper's
-widest (m64n256k16) and a k-step moves 48 KB of operands for twice the MMAs of the 32 KB one 128 × 128 tile needs:
-a quarter less shared-memory and L2 traffic per FLOP, the tile shape Hopper's fastest GEMMs use. One producer warp
-streams the operands through TMA into a ring and keeps loading the next tile while the consumers run an epilogue.
+widest (m64n256k16) and the operands of a given number of MMAs take a quarter less shared-memory and L2 traffic.
+One producer warp streams the operands through TMA into a ring and keeps loading the next tile while the consumers
+run an epilogue; the epilogue stops the tensor cores (the ping-pong kernel hides it), so this kernel pays off where a
+tile's main loop is long (`symmetric.HOPPER_KERNELS` says where).
 
 Row block i (128 rows) takes the column pairs p with 2p ≤ i (256 columns each). Where 2p = i the pair's second half
 lies above the diagonal: it is computed but not stored (its mirror comes from row i + 1), 6% more MMAs than the
@@ -16,7 +17,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from megatron_muon.kernels.gluon_support import (FRONTEND_ERRORS, KernelSwitch, TensorDescriptor,  # noqa: F401
                                                  fence_async_shared, gl, gluon, is_hopper, mbarrier, tma,

@@ -127,7 +127,7 @@ def test_matches_torch(batch, m, k, with_c, dtype):
 
 @gpu_test
 def test_commuting_factors():
-    """A·Bᵀ with A ≠ B whose product is symmetric (polynomials of one symmetric matrix), as Gram Newton–Schulz uses."""
+    """A·Bᵀ, A ≠ B, with a symmetric product (polynomials of one symmetric matrix), as Gram Newton–Schulz has."""
     torch.manual_seed(0)
     R = torch.randn(4, 512, 512, device="cuda", dtype=torch.float64) / 512**0.5
     R = (R + R.mT) / 2
