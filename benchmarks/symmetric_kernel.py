@@ -8,7 +8,7 @@ Newton–Schulz's m×m products: c·R·R + b·R with R symmetric, C read in the 
 
   python benchmarks/symmetric_kernel.py --out benchmarks/results/symmetric_kernel.md
   python benchmarks/symmetric_kernel.py --stages 3 4 5 --registers 224 240     # the ping-pong kernel's settings
-  python benchmarks/symmetric_kernel.py --wide 32x4 64x2                       # the wide kernel's k-slice and ring
+  python benchmarks/symmetric_kernel.py --wide 64x3x1 32x4x2        # the wide kernel's k-slice, ring, epilogue buffers
 """
 
 from __future__ import annotations
@@ -51,10 +51,11 @@ def kernels(device, stages: list[int], registers: list[int], wide: list[tuple[in
     from megatron_muon.kernels import symmetric, symmetric_wide, symmetric_ws
 
     yield "ours, Triton (autotuned)", 0.5, lambda A, C: symmetric.symmetric_matmul(A, A, C, *scales(C)), None, None
-    for tile_k, depth in wide:
-        def setup(tile_k=tile_k, depth=depth):
-            symmetric_wide.TILE_K, symmetric_wide.STAGES = tile_k, depth
-        yield (f"ours, Gluon wide 128 × 256 tiles, k-slices of {tile_k}, {depth} stages", 0.5,
+    for tile_k, depth, buffers in wide:
+        def setup(tile_k=tile_k, depth=depth, buffers=buffers):
+            symmetric_wide.TILE_K, symmetric_wide.STAGES, symmetric_wide.EPILOGUE_BUFFERS = tile_k, depth, buffers
+        yield (f"ours, Gluon wide 128 × 256 tiles, k-slices of {tile_k}, {depth} stages, "
+               f"{buffers} epilogue buffer{'s' if buffers > 1 else ''}", 0.5,
                lambda A, C: symmetric_wide.symmetric_matmul_wide(A, A, C, *scales(C)), setup,
                lambda A, C: symmetric_wide.ready(A, A, C))
     for depth in stages:
@@ -66,12 +67,27 @@ def kernels(device, stages: list[int], registers: list[int], wide: list[tuple[in
                    lambda A, C: symmetric_ws.ready(A, A, C))
 
 
-def parse_wide(text: str) -> tuple[int, int]:
+def parse_wide(text: str) -> tuple[int, int, int]:
+    """KSLICExSTAGES[xBUFFERS] (one epilogue buffer unless given), refused where it does not fit one block."""
+    from megatron_muon.kernels import symmetric_wide
+    from megatron_muon.kernels.gluon_support import SM90_SHARED_MEMORY_PER_BLOCK
+
     try:
-        tile_k, depth = (int(part) for part in text.lower().split("x"))
+        tile_k, depth, *buffers = (int(part) for part in text.lower().split("x"))
+        buffers = buffers or [1]
+        (buffers, ) = buffers
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: write it as KSLICExSTAGES, e.g. 32x4") from None
-    return tile_k, depth
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: write it as KSLICExSTAGES[xBUFFERS], e.g. 64x3 or 32x4x2") from None
+    if buffers not in (1, 2) or tile_k % 16 or depth < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: the k-slice is a multiple of 16, the ring at least 2 deep and "
+                                         "the epilogue 1 or 2 buffers")
+    needed = symmetric_wide.shared_bytes(tile_k, depth, buffers)
+    if needed > SM90_SHARED_MEMORY_PER_BLOCK:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} needs {needed // 1024} KiB of shared memory, more than a Hopper block's "
+            f"{SM90_SHARED_MEMORY_PER_BLOCK // 1024}: shorten the ring or the k-slice")
+    return tile_k, depth, buffers
 
 
 def main(argv=None) -> None:
@@ -81,8 +97,9 @@ def main(argv=None) -> None:
                         help="the ping-pong kernel's ring depths to time")
     parser.add_argument("--registers", nargs="+", type=int, default=[224],
                         help="the ping-pong kernel's register budgets per consumer thread to time")
-    parser.add_argument("--wide", nargs="+", type=parse_wide, default=[(32, 4)],
-                        help="the wide kernel's k-slice and ring depth to time, as KSLICExSTAGES")
+    parser.add_argument("--wide", nargs="+", type=parse_wide, default=None,
+                        help="the wide kernel's k-slice, ring depth and epilogue buffers to time, as "
+                             "KSLICExSTAGES[xBUFFERS] (default: the kernel's own)")
     parser.add_argument("--scale", type=int, default=1, help="divide rows and inner by this (CPU smoke tests)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
@@ -93,7 +110,9 @@ def main(argv=None) -> None:
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     from megatron_muon.kernels import symmetric_wide, symmetric_ws
 
-    defaults = (symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS, symmetric_wide.TILE_K, symmetric_wide.STAGES)
+    defaults = (symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS, symmetric_wide.TILE_K, symmetric_wide.STAGES,
+                symmetric_wide.EPILOGUE_BUFFERS)
+    wide = args.wide or [defaults[2:]]
     lines = ["| stack (count × rows × inner) | kernel | ms | executed TFLOP/s | × cuBLAS time | max abs. diff. |",
              "|---|---|---:|---:|---:|---:|"]
     for count, rows, inner in args.shapes:
@@ -107,7 +126,7 @@ def main(argv=None) -> None:
         if C is not None:
             reference = ALPHA * reference + BETA * C.double()
         base_ms = None
-        for name, fraction, call, setup, ready in kernels(device, args.stages, args.registers, args.wide):
+        for name, fraction, call, setup, ready in kernels(device, args.stages, args.registers, wide):
             if setup is not None:
                 setup()
             if ready is not None and not ready(A, C):
@@ -120,7 +139,8 @@ def main(argv=None) -> None:
             lines.append(f"| {count} × {rows} × {inner} | {name} | {ms:.3f} | {fraction * full_flop / ms / 1e9:.0f} "
                          f"| {ms / base_ms:.3f} | {error:.1e} |")
             print(lines[-1], flush=True)
-    symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS, symmetric_wide.TILE_K, symmetric_wide.STAGES = defaults
+    (symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS, symmetric_wide.TILE_K, symmetric_wide.STAGES,
+     symmetric_wide.EPILOGUE_BUFFERS) = defaults
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     header = ["# Symmetric products alone: ours against cuBLAS's full product", "",
               f"- device: {gpu}; torch {torch.__version__}; {dtype}; median of {args.repeats} after {args.warmup}",

@@ -5,7 +5,8 @@ Same contract as `symmetric_ws.symmetric_matmul_ws`. Where that kernel gives eac
 widest (m64n256k16) and the operands of a given number of MMAs take a quarter less shared-memory and L2 traffic.
 One producer warp streams the operands through TMA into a ring and keeps loading the next tile while the consumers
 run an epilogue; the epilogue stops the tensor cores (the ping-pong kernel hides it), so this kernel pays off where a
-tile's main loop is long (`symmetric.HOPPER_KERNELS` says where).
+tile's main loop is long (`symmetric.HOPPER_KERNELS` says where). The tile and its mirror leave through two epilogue
+buffers; with one shared buffer (the mirror waits for the tile's store to leave) a deeper ring fits instead.
 
 Row block i (128 rows) takes the column pairs p with 2p ≤ i (256 columns each). Where 2p = i the pair's second half
 lies above the diagonal: it is computed but not stored (its mirror comes from row i + 1), 6% more MMAs than the
@@ -24,7 +25,9 @@ from megatron_muon.kernels.gluon_support import (FRONTEND_ERRORS, KernelSwitch, 
 from megatron_muon.kernels.ops import sm_count
 
 ROWS, COLUMNS = 128, 256
-TILE_K, STAGES = 32, 4  # 4 × 24 KB of operands + two 64 KB epilogue buffers: 224 KB of shared memory
+# 4 × 24 KB of operands + two 64 KB epilogue buffers: 224 KB of shared memory. One buffer leaves room for 3 × 48 KB
+# of operands (64-wide k-slices): `benchmarks/symmetric_kernel.py --wide 64x3x1 32x4x2` times the two layouts.
+TILE_K, STAGES, EPILOGUE_BUFFERS = 32, 4, 2
 CONSUMER_WARPS = 8
 SWITCH = KernelSwitch("wide-tile Hopper symmetric kernel")
 
@@ -48,6 +51,11 @@ def ready(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor | None) -> bool:
     tensors = [A, B] + ([C] if C is not None else [])
     return all(t.dtype == A.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0 and t.size(-1) * 2 % 16 == 0
                for t in tensors)
+
+
+def shared_bytes(tile_k: int, stages: int, buffers: int) -> int:
+    """Shared memory of one block (16-bit operands) but its few barriers: the operand ring and the epilogue."""
+    return stages * (ROWS + COLUMNS) * tile_k * 2 + buffers * ROWS * COLUMNS * 2
 
 
 def tiles_per_matrix(m: int) -> int:
@@ -95,10 +103,11 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, wide_desc, half_desc, tall_desc, o_buf, t_buf,
-                  c_bar, M, K, total, per_matrix, alpha, beta, HAS_C: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """Both warpgroups: the MMAs of one 128 × 256 tile, then its epilogue (scale, C, the stores). The tile and
-        its mirror leave through two buffers without a wait, so the stores drain while the next tile's MMAs run;
-        C is loaded into the tile's buffer halfway through the main loop, once the last stores have left."""
+                  c_bar, M, K, total, per_matrix, alpha, beta, HAS_C: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  SHARED_EPILOGUE: gl.constexpr):
+        """Both warpgroups: the MMAs of one 128 × 256 tile, then its epilogue (scale, C, the stores). The mirror's
+        stores drain while the next tile's MMAs run (with one shared buffer, the tile's store leaves first); C is
+        loaded into the tile's buffer halfway through the main loop, once the last stores have left."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         dtype: gl.constexpr = o_buf.dtype
@@ -142,6 +151,8 @@ if gluon is not None:
             else:
                 tma.async_copy_shared_to_global(wide_desc, [row, col], o_buf)
             if tile_i > 2 * pair:  # mirror the blocks below the diagonal
+                if SHARED_EPILOGUE:
+                    tma.store_wait(0)  # t_buf is o_buf: the tile's store has read it
                 t_buf.permute((1, 0)).store(out)
                 fence_async_shared()
                 mirror_row, mirror_col = batch * M + pair * BLOCK_N, tile_i * BLOCK_M
@@ -153,7 +164,8 @@ if gluon is not None:
 
     @gluon.jit
     def _sym_mm_wide_kernel(a_desc, b_desc, c_desc, wide_desc, half_desc, tall_desc, M, K, total, per_matrix,
-                            alpha, beta, HAS_C: gl.constexpr, NUM_STAGES: gl.constexpr):
+                            alpha, beta, HAS_C: gl.constexpr, NUM_STAGES: gl.constexpr,
+                            EPILOGUE_BUFFERS: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -163,12 +175,16 @@ if gluon is not None:
             mbarrier.init(ready_bars.index(i), count=1)
             mbarrier.init(empty_bars.index(i), count=1)
         o_buf = gl.allocate_shared_memory(dtype, wide_desc.block_type.shape, wide_desc.layout)
-        t_buf = gl.allocate_shared_memory(dtype, tall_desc.block_type.shape, tall_desc.layout)
+        if EPILOGUE_BUFFERS == 2:
+            t_buf = gl.allocate_shared_memory(dtype, tall_desc.block_type.shape, tall_desc.layout)
+        else:
+            t_buf = o_buf._reinterpret(dtype, tall_desc.block_type.shape, tall_desc.layout)
         c_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(c_bar, count=1)
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, c_desc, wide_desc, half_desc, tall_desc, o_buf,
-                         t_buf, c_bar, M, K, total, per_matrix, alpha, beta, HAS_C, NUM_STAGES)),
+                         t_buf, c_bar, M, K, total, per_matrix, alpha, beta, HAS_C, NUM_STAGES,
+                         EPILOGUE_BUFFERS == 1)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K, total, per_matrix,
                          NUM_STAGES)),
         ], [1], [40])
@@ -203,5 +219,5 @@ def symmetric_matmul_wide(A, B, C=None, alpha: float = 1.0, beta: float = 0.0) -
     total = per_matrix * batch
     grid = (min(sm_count(A.device.index), total), )
     _sym_mm_wide_kernel[grid](*descriptors(A, B, C if has_c else None, out), m, k, total, per_matrix,
-                              float(alpha), float(beta), has_c, STAGES, num_warps=CONSUMER_WARPS)
+                              float(alpha), float(beta), has_c, STAGES, EPILOGUE_BUFFERS, num_warps=CONSUMER_WARPS)
     return out

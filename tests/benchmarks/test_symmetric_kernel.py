@@ -25,3 +25,10 @@ def test_symmetric_kernel_benchmark_names_the_shape_format():
     result = subprocess.run([sys.executable, str(BENCHMARKS / "symmetric_kernel.py"), "--shapes", "24by2048"],
                             cwd=BENCHMARKS.parent, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "COUNTxROWSxINNER" in result.stderr
+
+
+def test_symmetric_kernel_benchmark_refuses_a_wide_layout_that_does_not_fit():
+    """64-wide k-slices three deep with two epilogue buffers need 272 KiB: refused before anything runs."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "symmetric_kernel.py"), "--wide", "64x3x2"],
+                            cwd=BENCHMARKS.parent, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "272 KiB" in result.stderr and "shorten the ring" in result.stderr

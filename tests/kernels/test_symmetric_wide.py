@@ -13,25 +13,30 @@ SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm90
 
 
 @pytest.mark.parametrize("has_c", [False, True])
-def test_compiles_for_sm90(has_c):
-    """Offline compile (no GPU needed): fits Hopper's shared memory, uses the widest wgmma (m64n256k16) and gives
-    the consumer warpgroups the registers the producer warp does not need."""
+@pytest.mark.parametrize("tile_k, stages, buffers", [(symmetric_wide.TILE_K, symmetric_wide.STAGES,
+                                                      symmetric_wide.EPILOGUE_BUFFERS), (64, 3, 1)])
+def test_compiles_for_sm90(has_c, tile_k, stages, buffers, monkeypatch):
+    """Offline compile (no GPU needed) of the default and of the one-buffer layout the benchmark compares: fits
+    Hopper's shared memory as `shared_bytes` counts it, uses the widest wgmma (m64n256k16) and gives the consumer
+    warpgroups the registers the producer warp does not need."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    monkeypatch.setattr(symmetric_wide, "TILE_K", tile_k)  # the operand descriptors' k-slice
     A = torch.empty(1, 1024, 512, dtype=torch.float16)
     out = torch.empty(1, 1024, 1024, dtype=torch.float16)
     names = ["a_desc", "b_desc", "c_desc", "wide_desc", "half_desc", "tall_desc"]
     signature = {name: mangle_type(d) for name, d in zip(names, symmetric_wide.descriptors(A, A, None, out))}
     signature.update({"M": "i32", "K": "i32", "total": "i32", "per_matrix": "i32", "alpha": "fp32", "beta": "fp32",
-                      "HAS_C": "constexpr", "NUM_STAGES": "constexpr"})
+                      "HAS_C": "constexpr", "NUM_STAGES": "constexpr", "EPILOGUE_BUFFERS": "constexpr"})
     source = GluonASTSource(symmetric_wide._sym_mm_wide_kernel, signature,
-                            {"HAS_C": has_c, "NUM_STAGES": symmetric_wide.STAGES})
+                            {"HAS_C": has_c, "NUM_STAGES": stages, "EPILOGUE_BUFFERS": buffers})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": symmetric_wide.CONSUMER_WARPS})
-    assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT
+    expected = symmetric_wide.shared_bytes(tile_k, stages, buffers)
+    assert expected <= kernel.metadata.shared <= min(expected + 1024, SHARED_MEMORY_LIMIT)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 \t240" in ptx
