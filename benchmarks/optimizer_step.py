@@ -29,6 +29,7 @@ import torch
 
 from bench_env import emit_markdown, timed  # benchmarks/ is the script's directory
 from kernel_profile import kernel_table, profile_markdown
+from symmetric_kernel import parse_wide
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -313,8 +314,13 @@ def main() -> None:
                         help=f"add kernel tables of the steps {', '.join(PROFILED)} (where timed) to the report")
     parser.add_argument("--symmetric-kernels", choices=tuple(SYMMETRIC_KERNELS), default="all",
                         help="the Hopper symmetric kernels Newton–Schulz may use (an ablation; 'all' is the default)")
+    parser.add_argument("--wide-layout", type=parse_wide, default=None, metavar="KSLICExSTAGES[xBUFFERS]",
+                        help="the wide kernel's k-slice, ring depth and epilogue buffers (default: the kernel's own)")
     args = parser.parse_args()
-    from megatron_muon.kernels import symmetric
+    from megatron_muon.kernels import symmetric, symmetric_wide
+
+    if args.wide_layout is not None:
+        symmetric_wide.TILE_K, symmetric_wide.STAGES, symmetric_wide.EPILOGUE_BUFFERS = args.wide_layout
 
     symmetric.HOPPER_KERNELS = tuple(k for k in symmetric.HOPPER_KERNELS
                                      if k[0].__name__.rsplit(".", 1)[-1] in SYMMETRIC_KERNELS[args.symmetric_kernels])
@@ -428,6 +434,8 @@ def main() -> None:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- device: {gpu}; torch {torch.__version__}, Triton {triton.__version__}",
         f"- command: `python {' '.join(sys.argv)}`",
+        f"- Hopper symmetric kernels: {args.symmetric_kernels}; the wide one's k-slices of {symmetric_wide.TILE_K}, "
+        f"{symmetric_wide.STAGES} stages, {symmetric_wide.EPILOGUE_BUFFERS} epilogue buffer(s)",
         *([f"- the first {args.layers} of the model's {SHAPE_SETS[args.shapes]['layers']} layers (their matrices "
            "and norms) with the whole embedding and output layer: the ratios weigh the embeddings' AdamW more than "
            "the whole model does"] if args.layers else []),

@@ -11,10 +11,11 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 def test_optimizer_step_benchmark_smoke(tmp_path):
     out = tmp_path / "optimizer_step.md"
     subprocess.run([sys.executable, str(BENCHMARKS / "optimizer_step.py"), "--scale", "64", "--warmup", "0",
-                    "--repeats", "1", "--only-ours", "--profile", "--out", str(out)],
+                    "--repeats", "1", "--only-ours", "--profile", "--wide-layout", "64x3", "--out", str(out)],
                    check=True, cwd=BENCHMARKS.parent, timeout=300)
     text = out.read_text()
     assert "| ours (auto, MegaBatch, fused splits) |" in text
+    assert "the wide one's k-slices of 64, 3 stages, 1 epilogue buffer(s)" in text  # the layout the run used
     assert "| building the NS stacks" in text and "| Newton–Schulz (batched calls alone) |" in text
     assert "| 24 × 176 × 32 | auto: gram |" in text  # fc1 (11264 × 2048 / 64) as one stack of 24
     assert text.count("| all stacks, summed |") == 2  # the default's stacks and the per-head variant's
@@ -26,6 +27,12 @@ def test_optimizer_step_benchmark_smoke(tmp_path):
     for name in ("fused splits, CUDA graph", "fused splits, CUDA graph, polar_express×4",
                  "heads split, CUDA graph, polar_express×4"):  # each graphed row's kernel table
         assert f"### Where the time goes: ours (auto, MegaBatch, {name}) (top 15 of" in text
+
+
+def test_optimizer_step_benchmark_refuses_a_wide_layout_that_does_not_fit():
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "optimizer_step.py"), "--wide-layout", "64x4x2"],
+                            cwd=BENCHMARKS.parent, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "shorten the ring or the k-slice" in result.stderr
 
 
 def test_shape_sets_match_their_recipes():
