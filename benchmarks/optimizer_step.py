@@ -127,7 +127,8 @@ def breakdown(optimizer: Muon, device, warmup: int, repeats: int) -> dict[str, f
     optimizer.step()  # builds the plan and the momentum buffers
     plan, stack_all = _stack_builder(optimizer, device)
     stacks = stack_all()
-    ns_all = lambda: [optimizer._orthogonalize_bucket(b, s, True) for b, s in zip(plan.buckets, stacks)]  # noqa: E731
+    ns_all = lambda: [optimizer._orthogonalize_bucket(b, s, True, n)  # noqa: E731
+                      for b, (s, n) in zip(plan.buckets, stacks)]
     total = timed(optimizer.step, device, warmup, repeats)
     ns = timed(ns_all, device, warmup, repeats)
     stacking = timed(stack_all, device, warmup, repeats)
@@ -135,7 +136,8 @@ def breakdown(optimizer: Muon, device, warmup: int, repeats: int) -> dict[str, f
 
 
 def _stack_builder(optimizer: Muon, device):
-    """The step's plan, and a callable that builds every bucket's stacked NS input as the step does."""
+    """The step's plan, and a callable that builds every bucket's stacked NS input as the step does (with the
+    norms the momentum passes summed, or None)."""
     plan = optimizer._plan_cache[1]
     fused = fused_elementwise.use_fused(optimizer.fused_elementwise, device)
     grads = [p.grad for p in plan.params]
@@ -167,8 +169,8 @@ def ns_per_stack(optimizer: Muon, device, warmup: int, repeats: int) -> list[tup
 
     plan, stack_all = _stack_builder(optimizer, device)
     rows = []
-    for bucket, stacked in zip(plan.buckets, stack_all()):
-        call = lambda: optimizer._orthogonalize_bucket(bucket, stacked, True)  # noqa: E731
+    for bucket, (stacked, norms) in zip(plan.buckets, stack_all()):
+        call = lambda: optimizer._orthogonalize_bucket(bucket, stacked, True, norms)  # noqa: E731
         ms = timed(call, device, warmup, repeats)
         group = optimizer.param_groups[bucket.group_index]
         method = group["method"]

@@ -110,7 +110,8 @@ def gram_newton_schulz(
     return ops.mm(Q, X)
 
 
-def _normalized_padded(X: torch.Tensor, eps: float, work_dtype: torch.dtype, ops) -> torch.Tensor:
+def _normalized_padded(X: torch.Tensor, eps: float, work_dtype: torch.dtype, ops,
+                       norm: torch.Tensor | None = None) -> torch.Tensor:
     """X / ‖X‖_F in `work_dtype`, the long side zero-padded to a multiple of LONG_SIDE_ALIGNMENT, in one pass.
 
     The norm is reduced in fp32 (fp64 for fp64 input) straight from the input dtype and the division writes the
@@ -119,11 +120,14 @@ def _normalized_padded(X: torch.Tensor, eps: float, work_dtype: torch.dtype, ops
     leave X·Xᵀ, every iterate's other columns and the result unchanged (they stay zero), and they make rows
     128-byte aligned: 9228-wide fp16 rows otherwise force slow unaligned GEMM paths (measured on the H200 for the
     GDN in_proj shape, in torch.optim.Muon too: docs/design/newton_schulz.md). On the GPU the
-    division and padding are one Triton pass (`kernels/scaled_copy.py`).
+    division and padding are one Triton pass (`kernels/scaled_copy.py`). `norm` ([b] fp32): the norms, where the
+    caller already has them.
     """
     n = X.size(-1)
-    norm_dtype = torch.promote_types(X.dtype, torch.float32)  # fp32, or fp64 for an fp64 iteration
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype).clamp_min(eps)
+    if norm is None:
+        norm_dtype = torch.promote_types(X.dtype, torch.float32)  # fp32, or fp64 for an fp64 iteration
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
+    norm = norm.reshape(X.size(0), 1, 1).clamp_min(eps)
     padded = -(-n // LONG_SIDE_ALIGNMENT) * LONG_SIDE_ALIGNMENT
     shape = (*X.shape[:-1], padded)
     return ops.scaled_copy(X, norm, X.new_empty(shape, dtype=work_dtype))
@@ -174,6 +178,7 @@ def orthogonalize(
     backend: str = "auto",
     compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
+    frobenius_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Approximate the polar factor U·Vᵀ of G ([m, n] or [b, m, n]) with Newton–Schulz; same shape and dtype.
 
@@ -184,10 +189,16 @@ def orthogonalize(
     'triton'. compute_dtype overrides the iteration dtype (fp16; fp32 for a near-exact iteration on CPU).
     out_dtype: the result dtype (default G's). A caller that only adds the result to parameters passes the
     iteration dtype (`work_dtype(G, method)`) and saves widening the whole batch: in-place adds upcast on the fly.
+    frobenius_norm: ‖G‖_F per matrix (fp32, one value per matrix), where the caller has summed it while writing G
+    (the Muon step's momentum pass does): saves the normalization's reduction pass.
     """
     schedule = resolve_coefficients(coefficients, steps)
     restarts = default_restarts(schedule) if restarts is None else tuple(restarts)
     _check_inputs(G, method, eps, restarts)
+    if frobenius_norm is not None and (frobenius_norm.numel() != (G.size(0) if G.ndim == 3 else 1)
+                                       or frobenius_norm.dtype != torch.float32):
+        raise ValueError(f"frobenius_norm must hold one fp32 value per matrix of G {tuple(G.shape)}, got "
+                         f"{frobenius_norm.dtype} {tuple(frobenius_norm.shape)}; omit it to have it computed")
     if G.numel() == 0:
         return torch.zeros_like(G, dtype=out_dtype or G.dtype)
     X = G if G.ndim == 3 else G.unsqueeze(0)
@@ -197,7 +208,7 @@ def orthogonalize(
     m, n = X.shape[-2:]
     chosen = choose_method(m, n) if method == "auto" else method
     ops = select_ops(X.device, backend)
-    X = _normalized_padded(X, eps, work_dtype(X, chosen, compute_dtype), ops)
+    X = _normalized_padded(X, eps, work_dtype(X, chosen, compute_dtype), ops, frobenius_norm)
     if chosen == "gram":
         Y = gram_newton_schulz(X, schedule, ops, restarts=restarts, transpose_output=transposed)
         Y = Y[:, :n, :] if transposed else Y[:, :, :n]

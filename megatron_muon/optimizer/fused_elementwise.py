@@ -97,11 +97,14 @@ def _launch(rows: int, cols: int) -> tuple[tuple[int, int], dict]:
 
 
 def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool, grad_factor=None,
-                        store_buffer: bool = True) -> None:
+                        store_buffer: bool = True, norm_partials=None) -> bool:
     """buffer ← buffer + (1-β)(grad - buffer) in the buffer's dtype; slot ← the Nesterov blend
     grad + β(buffer - grad) (or the buffer) in the slot's dtype. One pass per piece on the GPU. `grad_factor` (a
     one-element fp32 tensor: megatron's deferred clip) multiplies the gradient as it is read; `grad` is not changed.
     `store_buffer=False` leaves the buffer as it was (a speculative slot: the step stores the EMA later).
+    `norm_partials` (fp32, `norm_programs(slot)` elements): each program of the pass writes the sum of squares of
+    the slot values it stored, so that Newton–Schulz needs no pass of its own for the slot's Frobenius norm.
+    Returns whether the one-pass kernel ran (only then are the partial sums written).
 
     Equals `muon_math.momentum_buffers_update_` followed by `muon_math.nesterov_into_` on the same tensors (on
     grad·grad_factor, rounded to the gradient's dtype, when a factor is given).
@@ -109,26 +112,43 @@ def momentum_into_slot_(grad, buffer, slot, *, momentum: float, nesterov: bool, 
     assert grad.shape == buffer.shape == slot.shape, (grad.shape, buffer.shape, slot.shape)
     geometry = _blocks_rows_cols(grad)
     strides = [_strides(t) for t in (grad, buffer, slot)] if geometry is not None else [None]
-    if triton is None or any(s is None for s in strides) or not supported(grad.device):
+    if triton is None or any(s is None for s in strides) or not supported(grad.device) or slot.numel() == 0:
         if grad_factor is not None:
             grad = grad * grad_factor.reshape(())
         if not store_buffer:
             buffer = buffer.clone()
         muon_math.momentum_buffers_update_([grad], [buffer], momentum)
         muon_math.nesterov_into_(grad, buffer, slot, momentum, nesterov)
-        return
+        return False
     blocks, rows, cols = geometry
-    if blocks * rows * cols == 0:
-        return
     grid, tile = _launch(blocks * rows, cols)
+    _check_partials(norm_partials, grid[0] * grid[1])
     ema_weight, blend_weight = 1.0 - momentum, float(momentum)
     _momentum_kernel[grid](
         grad, buffer, slot, blocks * rows, rows, cols, *strides[0], *strides[1], *strides[2], ema_weight,
         blend_weight, grad, buffer, 0, grad if grad_factor is None else grad_factor,
+        slot if norm_partials is None else norm_partials,
         EMA_SMALL=_lerp_weight_small(ema_weight), BLEND_SMALL=_lerp_weight_small(blend_weight),
         NESTEROV=bool(nesterov), EMULATE=INTERPRETING, PIECES=False, HAS_FACTOR=grad_factor is not None,
-        STORE_BUFFER=bool(store_buffer), **tile,
+        STORE_BUFFER=bool(store_buffer), NORM=norm_partials is not None, **tile,
     )  # fmt: skip
+    return True
+
+
+def norm_programs(slot: torch.Tensor) -> int | None:
+    """How many programs the momentum pass runs over one piece shaped like `slot` (the partial sums it writes);
+    None where the pass does not take the piece."""
+    geometry = _blocks_rows_cols(slot)
+    if triton is None or geometry is None or slot.numel() == 0:
+        return None
+    grid, _ = _launch(geometry[0] * geometry[1], geometry[2])
+    return grid[0] * grid[1]
+
+
+def _check_partials(norm_partials, programs: int) -> None:
+    if norm_partials is not None:
+        assert norm_partials.dtype == torch.float32 and norm_partials.is_contiguous(), norm_partials
+        assert norm_partials.numel() >= programs, (norm_partials.shape, programs)
 
 
 def decay_and_update_(target, update, *, decay: float, alpha: float, model=None) -> None:
@@ -188,16 +208,19 @@ if triton is not None:
         Grad, Buffer, Slot, total_rows, rows, cols,
         grad_block_stride, grad_row_stride, buffer_block_stride, buffer_row_stride,
         slot_block_stride, slot_row_stride,
-        ema_weight, blend_weight, GradOffsets, BufferOffsets, slot_piece_stride, GradFactor,
+        ema_weight, blend_weight, GradOffsets, BufferOffsets, slot_piece_stride, GradFactor, NormPartials,
         EMA_SMALL: tl.constexpr, BLEND_SMALL: tl.constexpr, NESTEROV: tl.constexpr,
         EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PIECES: tl.constexpr,
-        HAS_FACTOR: tl.constexpr, STORE_BUFFER: tl.constexpr,
+        HAS_FACTOR: tl.constexpr, STORE_BUFFER: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        partial_at = NormPartials + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         if PIECES:  # grid axis 2 walks same-geometry pieces: element offsets from Grad / Buffer, slots stacked
             piece = tl.program_id(2)
             Grad += tl.load(GradOffsets + piece)
             Buffer += tl.load(BufferOffsets + piece)
             Slot += piece.to(tl.int64) * slot_piece_stride
+            partial_at += piece.to(tl.int64) * programs
         block, row, col, mask = _tile(total_rows, rows, cols, ROWS, BLOCK)
         grad_at = _at(Grad, block, row, col, grad_block_stride, grad_row_stride)
         buffer_at = _at(Buffer, block, row, col, buffer_block_stride, buffer_row_stride)
@@ -222,7 +245,11 @@ if triton is not None:
         if NESTEROV:  # torch.lerp(out=slot) rounds to the inputs' dtype before the slot's
             new = through(_lerp(grad, new, blend_weight, BLEND_SMALL, EMULATE), grad_dtype, EMULATE)
         slot_at = _at(Slot, block, row, col, slot_block_stride, slot_row_stride)
-        tl.store(slot_at, round_to(new, Slot.dtype.element_ty, EMULATE), mask=mask)
+        slot_value = round_to(new, Slot.dtype.element_ty, EMULATE)
+        tl.store(slot_at, slot_value, mask=mask)
+        if NORM:  # the stored values' squares, summed per program (Newton–Schulz's Frobenius norm, in parts)
+            squares = slot_value.to(tl.float32) * slot_value.to(tl.float32)
+            tl.store(partial_at, tl.sum(tl.where(mask, squares, 0.0)))
 
     @triton.jit
     def _decay_update_kernel(

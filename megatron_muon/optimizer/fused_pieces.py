@@ -73,21 +73,24 @@ def _qualify(varied: list[list[torch.Tensor]], stacked: list[torch.Tensor]):
 
 
 def momentum_into_slots_(grads, buffers, slots, *, momentum: float, nesterov: bool, grad_factor=None,
-                         store_buffer: bool = True) -> bool:
+                         store_buffer: bool = True, norm_partials=None) -> bool:
     """`fused_elementwise.momentum_into_slot_` on every (grad, buffer, slot) triple in one launch; `slots` must
-    be evenly spaced slices of one stacked tensor. False (nothing done) when the pieces do not qualify."""
+    be evenly spaced slices of one stacked tensor. False (nothing done) when the pieces do not qualify.
+    `norm_partials`: the pieces' partial sums of squares one after another (`norm_programs` per piece)."""
     qualified = _qualify([list(grads), list(buffers)], list(slots))
     if qualified is None:
         return False
     (blocks, rows, cols), strides, (grad_offsets, buffer_offsets), slot_spacing = qualified
     grid, tile = single._launch(blocks * rows, cols)
+    single._check_partials(norm_partials, grid[0] * grid[1] * len(grads))
     ema_weight, blend_weight = 1.0 - momentum, float(momentum)
     single._momentum_kernel[(*grid, len(grads))](
         grads[0], buffers[0], slots[0], blocks * rows, rows, cols, *strides[0], *strides[1], *strides[2],
         ema_weight, blend_weight, grad_offsets, buffer_offsets, slot_spacing,
-        grads[0] if grad_factor is None else grad_factor, EMA_SMALL=single._lerp_weight_small(ema_weight),
-        BLEND_SMALL=single._lerp_weight_small(blend_weight), NESTEROV=bool(nesterov), EMULATE=single.INTERPRETING,
-        PIECES=True, HAS_FACTOR=grad_factor is not None, STORE_BUFFER=bool(store_buffer), **tile,
+        grads[0] if grad_factor is None else grad_factor, slots[0] if norm_partials is None else norm_partials,
+        EMA_SMALL=single._lerp_weight_small(ema_weight), BLEND_SMALL=single._lerp_weight_small(blend_weight),
+        NESTEROV=bool(nesterov), EMULATE=single.INTERPRETING, PIECES=True, HAS_FACTOR=grad_factor is not None,
+        STORE_BUFFER=bool(store_buffer), NORM=norm_partials is not None, **tile,
     )  # fmt: skip
     return True
 

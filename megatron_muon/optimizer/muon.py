@@ -278,17 +278,20 @@ class Muon(torch.optim.Optimizer):
             )
 
     def _orthogonalize_bucket(
-        self, bucket: Bucket, stacked: torch.Tensor, narrow_result: bool = False
+        self, bucket: Bucket, stacked: torch.Tensor, narrow_result: bool = False, frobenius_norm=None
     ) -> tuple[torch.Tensor, tuple[int, int]]:
-        """Batched NS of one bucket; `narrow_result` keeps the iteration dtype for fp32 targets (no widened copy)."""
+        """Batched NS of one bucket; `narrow_result` keeps the iteration dtype for fp32 targets (no widened copy);
+        `frobenius_norm`: the stack's norms where its momentum pass summed them (never for TP shards)."""
         group = self.param_groups[bucket.group_index]
         full = stacked
         if bucket.tp_group is not None:
+            assert frobenius_norm is None, "a shard's norm is not the matrix's"
             full = gather_tp_shards(stacked, bucket.tp_group, bucket.partition_dim)
         ortho = muon_math.orthogonal_update(
             full, ns_steps=group["ns_steps"], coefficients=group["coefficients"], method=group["method"],
             eps=group["eps"], compute_dtype=self.compute_dtype,
             out_dtype=work_dtype(full, group["method"], self.compute_dtype) if narrow_result else None,
+            frobenius_norm=frobenius_norm,
         )
         full_shape = tuple(full.shape[-2:])
         self.orthogonalized_matrices += full.shape[0] if full.dim() == 3 else 1
@@ -366,9 +369,10 @@ class Muon(torch.optim.Optimizer):
     def _bucket_update(self, bucket_index: int, bucket: Bucket, plan: Plan, sources, factor):
         """The bucket's orthogonalized momentum updates (stacked) and its full matrix shape."""
         with record_function(f"muon.stack_momentum {bucket.shape}"):
-            stacked = self._stack_updates(bucket, plan, sources, factor)
+            stacked, norms = self._stack_updates(bucket, plan, sources, factor)
         with record_function(f"muon.orthogonalize {bucket.shape}"):
-            return self._orthogonalize_bucket(bucket, stacked, narrow_result=self._narrow(bucket, plan))
+            return self._orthogonalize_bucket(bucket, stacked, narrow_result=self._narrow(bucket, plan),
+                                              frobenius_norm=norms)
 
     @staticmethod
     def _narrow(bucket: Bucket, plan: Plan) -> bool:
@@ -438,8 +442,9 @@ class Muon(torch.optim.Optimizer):
             offset += count
         return stacked, slots
 
-    def _stack_updates(self, bucket: Bucket, plan: Plan, sources, factor) -> torch.Tensor:
-        """The bucket's momentum updates as one [b, rows, cols] NS input, each blended straight into its slot."""
+    def _stack_updates(self, bucket: Bucket, plan: Plan, sources, factor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bucket's momentum updates as one [b, rows, cols] NS input, each blended straight into its slot, and
+        the stack's Frobenius norms where the fused momentum passes summed them (else None: NS computes them)."""
         pieces = []
         for index, piece_index in bucket.items:
             grad, buffer, ema_pending = sources[index]
@@ -448,19 +453,36 @@ class Muon(torch.optim.Optimizer):
             pieces.append((index, grad_piece, piece_views(buffer, layout)[piece_index], ema_pending,
                            piece_matrix_count(grad_piece, layout.piece_head_rows(piece_index))))
         stacked, slots = self._stacked_slots(bucket, [(piece[1], piece[-1]) for piece in pieces])
+        partials = self._norm_partials(bucket, pieces, slots)
         pending = []
-        for (index, grad_piece, buffer_piece, ema_pending, _), slot in zip(pieces, slots):
+        for position, ((index, grad_piece, buffer_piece, ema_pending, _), slot) in enumerate(zip(pieces, slots)):
             group_index = plan.group_of[index]
             group = self.param_groups[group_index]
             if ema_pending:  # each piece is in exactly one bucket: the EMA covers every buffer element once
-                pending.append((group_index, grad_piece, buffer_piece, slot))
+                pending.append((group_index, grad_piece, buffer_piece, slot, position))
             else:
                 muon_math.nesterov_into_(grad_piece, buffer_piece, slot, group["momentum"], group["nesterov"])
+        summed = partials is not None
         for group_index, run in fused_pieces.runs_by_group(pending):
             options = {key: self.param_groups[group_index][key] for key in ("momentum", "nesterov")}
             options["grad_factor"] = factor
-            if not fused_pieces.momentum_into_slots_(*zip(*run), **options):  # one launch for the whole run
-                for grad_piece, buffer_piece, slot in run:
-                    fused_passes.momentum_into_slot_(grad_piece, buffer_piece, slot, **options)
-        return stacked
+            run_grads, run_buffers, run_slots, positions = zip(*run)
+            run_partials = partials[positions[0]:] if summed else None  # a run's slots are consecutive
+            if not fused_pieces.momentum_into_slots_(run_grads, run_buffers, run_slots, **options,
+                                                     norm_partials=run_partials):  # one launch for the whole run
+                for grad_piece, buffer_piece, slot, position in run:
+                    summed &= fused_passes.momentum_into_slot_(grad_piece, buffer_piece, slot, **options,
+                                                               norm_partials=partials[position] if summed else None)
+        return stacked, partials.sum(dim=1).sqrt() if summed else None
+
+    def _norm_partials(self, bucket: Bucket, pieces, slots) -> torch.Tensor | None:
+        """[matrices, programs] fp32 for the momentum passes' partial sums of squares, where every piece of the bucket
+        is one whole matrix that a fused pass writes (an l2 group, a tensor-parallel shard or per-head pieces: None,
+        and NS reduces the stack itself)."""
+        if bucket.tp_group is not None or not all(ema_pending and count == 1 for *_, ema_pending, count in pieces):
+            return None
+        programs = fused_passes.norm_programs(slots[0])
+        if programs is None or slots[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        return torch.empty((len(slots), programs), dtype=torch.float32, device=slots[0].device)
 

@@ -130,12 +130,13 @@ def orthogonal_update(
     eps: float = 1e-7,
     compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
+    frobenius_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched Newton–Schulz of a [b, m, n] (or [m, n]) stack of momentum updates; same shape, dtype `out_dtype`
-    (default: the stack's)."""
+    (default: the stack's); `frobenius_norm`: the stack's norms where the momentum pass summed them."""
     return orthogonalize(
         stacked, steps=ns_steps, coefficients=coefficients, method=method, eps=eps, compute_dtype=compute_dtype,
-        out_dtype=out_dtype,
+        out_dtype=out_dtype, frobenius_norm=frobenius_norm,
     )
 
 

@@ -202,16 +202,24 @@ class WaveMuon(Muon):
         """A step that reuses speculated buckets computes only the rest: not the graph of a whole step."""
         return super()._graph_step() and not getattr(self, "_for_step", None)
 
+    def _norm_partials(self, bucket: Bucket, pieces, slots) -> None:
+        """No norms from the momentum passes: a speculated bucket must equal the step's bit for bit, and a step
+        may stack a bucket whose parameters were partly speculated (eager EMA, no fused pass): NS reduces every
+        stack itself, in one order."""
+        return None
+
     def _ema_in_fused_pass(self, param: torch.Tensor) -> bool:
         """Prepared buckets skip the stacking pass, so their momentum EMA runs eagerly (same rounding)."""
         return id(param) not in getattr(self, "_for_step_params", ())
 
-    def _orthogonalize_bucket(self, bucket: Bucket, stacked: torch.Tensor, narrow_result: bool = False):
+    def _orthogonalize_bucket(self, bucket: Bucket, stacked: torch.Tensor, narrow_result: bool = False,
+                              frobenius_norm=None):
         """Tensor-parallel buckets: each matrix is assembled on one TP rank only (matrix j on rank j mod tp), which
         runs its Newton–Schulz; one all-to-all brings the shards in and one takes the results back, so the TP ranks
         share the work instead of repeating it. Same full matrices, same per-matrix result as gathering everywhere."""
         if bucket.tp_group is None:
-            return super()._orthogonalize_bucket(bucket, stacked, narrow_result)
+            return super()._orthogonalize_bucket(bucket, stacked, narrow_result, frobenius_norm)
+        assert frobenius_norm is None, "a shard's norm is not the matrix's"
         import torch.distributed as dist
 
         group, dim = bucket.tp_group, bucket.partition_dim + 1

@@ -118,3 +118,23 @@ def test_out_dtype_is_the_unwidened_result(shape, method):
     assert narrow.dtype == torch.float16 and narrow.shape == G.shape
     assert torch.equal(narrow.to(G.dtype), orthogonalize(G, method=method))
     assert orthogonalize(G[..., :0, :], out_dtype=torch.float16).dtype == torch.float16
+
+
+@pytest.mark.parametrize("shape", [(3, 48, 160), (3, 160, 48), (40, 40)])
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_a_given_frobenius_norm_is_the_one_used(shape, method):
+    """Handing orthogonalize the norm it would compute gives the same bits; handing it another scale changes the
+    input it iterates on as that scale says (the result of NS depends on the scale only through convergence)."""
+    G = _fresh(shape, torch.bfloat16, seed=11)
+    own = torch.linalg.vector_norm(G.float(), dim=(-2, -1)).reshape(-1)
+    expected = orthogonalize(G, method=method)
+    assert torch.equal(orthogonalize(G, method=method, frobenius_norm=own), expected)
+    assert not torch.equal(orthogonalize(G, method=method, frobenius_norm=own * 4), expected)
+
+
+def test_a_frobenius_norm_of_the_wrong_shape_or_dtype_names_the_fix():
+    G = torch.randn(3, 16, 32)
+    with pytest.raises(ValueError, match="one fp32 value per matrix.*omit it"):
+        orthogonalize(G, frobenius_norm=torch.ones(2))
+    with pytest.raises(ValueError, match="one fp32 value per matrix"):
+        orthogonalize(G, frobenius_norm=torch.ones(3, dtype=torch.float64))

@@ -278,6 +278,78 @@ def check_uncovered_fall_back(generator) -> None:
     check(torch.equal(target, expected), "strided-column fallback differs")
 
 
+def check_norm_partials(generator) -> None:
+    """The momentum passes' partial sums of squares add up to each slot's squared Frobenius norm (fp32 sums in
+    another order: within a few ulps), one row per piece, for a single piece and for pieces in one launch; slots
+    and buffers stay bit-identical to the passes without the sums."""
+    for slot_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        grads = [torch.randn(40, 300, generator=generator) * 1e-2 for _ in range(3)]  # 300: masked column tail
+        buffers = [torch.randn(40, 300, generator=generator) * 1e-2 for _ in range(3)]
+        plain_buffers = [b.clone() for b in buffers]
+        stacked, plain = (torch.empty(3, 40, 300, dtype=slot_dtype) for _ in range(2))
+        programs = fused_elementwise.norm_programs(stacked[0])
+        partials = torch.full((3, programs), float("nan"))
+        case = f"norm partials, slot {slot_dtype}"
+        check(programs is not None and programs > 1, f"{case}: {programs} programs (the sums are not split)")
+        check(fused_pieces.momentum_into_slots_(grads, buffers, list(stacked), momentum=0.9, nesterov=True,
+                                                norm_partials=partials), f"{case}: not one launch")
+        for grad, buffer, slot in zip(grads, plain_buffers, plain):
+            fused_elementwise.momentum_into_slot_(grad, buffer, slot, momentum=0.9, nesterov=True)
+        check(torch.equal(stacked, plain) and all(torch.equal(a, b) for a, b in zip(buffers, plain_buffers)),
+              f"{case}: the sums changed what the pass stores")
+        exact = stacked.double().square().sum(dim=(1, 2))
+        check(torch.allclose(partials.double().sum(dim=1), exact, rtol=1e-6, atol=0), f"{case}: pieces' sums")
+        single = torch.full((programs, ), float("nan"))
+        ran = fused_elementwise.momentum_into_slot_(grads[1], buffers[1].clone(), torch.empty_like(plain[1]),
+                                                    momentum=0.9, nesterov=True, norm_partials=single)
+        again = torch.empty_like(plain[1])
+        fused_elementwise.momentum_into_slot_(grads[1], buffers[1].clone(), again, momentum=0.9, nesterov=True)
+        check(ran and torch.allclose(single.double().sum(), again.double().square().sum(), rtol=1e-6, atol=0),
+              f"{case}: one piece's sums")
+    fp64 = torch.randn(8, 8, dtype=torch.float64, generator=generator)
+    check(fused_elementwise.norm_programs(fp64) is not None  # the geometry is covered; the dtype decides below
+          and not fused_elementwise.momentum_into_slot_(fp64, fp64.clone(), torch.empty_like(fp64), momentum=0.9,
+                                                        nesterov=True),
+          "norm partials: an fp64 piece did not report the torch fallback")
+
+
+def check_muon_norm_fusion(generator) -> None:
+    """Muon hands Newton–Schulz the norms its momentum passes summed (none for buckets of several matrices per
+    piece); they match the stack's own norm within fp32 rounding, and the step stays within one fp16 rounding of
+    the NS input from the step that reduces the stack itself."""
+    from megatron_muon.kernels import newton_schulz
+
+    handed = []
+    reduce = newton_schulz._normalized_padded
+
+    def spy(X, eps, dtype, ops, norm=None):
+        if norm is not None:
+            own = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float32).reshape(-1)
+            handed.append((tuple(X.shape), float(((norm.reshape(-1) - own).abs() / own).max())))
+        return reduce(X, eps, dtype, ops, norm)
+
+    seed = int(torch.randint(1 << 30, (1,), generator=generator))
+    runs = {}
+    for summed in (True, False):
+        params = muon_params(torch.Generator().manual_seed(seed), torch.float32)
+        initial = [p.detach().clone() for p in params]
+        newton_schulz._normalized_padded, norm_partials = spy, Muon._norm_partials
+        if not summed:
+            Muon._norm_partials = lambda *args: None
+        try:
+            run_steps(lambda _: Muon(params, lr=0.02, fused_elementwise=True), params, 3)
+        finally:
+            newton_schulz._normalized_padded, Muon._norm_partials = reduce, norm_partials
+        runs[summed] = params
+    shapes = {shape for shape, _ in handed}
+    check((3, 16, 40) in shapes and (2, 16, 24) not in shapes,
+          f"norm fusion: handed norms for {sorted(shapes)} (want the three wide matrices, not the expert stack)")
+    check(all(error < 1e-6 for _, error in handed), f"norm fusion: summed norms off by {handed}")
+    for i, (a, b, start) in enumerate(zip(runs[True], runs[False], initial)):
+        gap, moved = float((a - b).detach().norm()), float((b - start).detach().norm())
+        check(gap <= 1e-3 * moved, f"norm fusion: parameter {i} gap {gap} vs moved {moved}")
+
+
 def muon_params(generator, dtype):
     """A plain matrix, a fused QKV split per section (2 query groups), a 3-D expert stack, and three wide matrices
     of one shape (one launch per pass for the three: `fused_pieces`)."""
@@ -315,6 +387,16 @@ def check_muon_takes_one_launch_per_bucket() -> None:
 
 
 def check_muon(generator, steps: int = 3) -> None:
+    """Bit for bit with the torch path, with Newton–Schulz reducing every stack's norm itself (the norms summed by
+    the momentum passes differ in fp32 rounding: `check_muon_norm_fusion`)."""
+    norm_partials, Muon._norm_partials = Muon._norm_partials, lambda *args: None
+    try:
+        check_muon_bits(generator, steps)
+    finally:
+        Muon._norm_partials = norm_partials
+
+
+def check_muon_bits(generator, steps: int) -> None:
     settings = [
         dict(dtype=torch.float32, nesterov=True, weight_decay_mode="decoupled"),
         dict(dtype=torch.float32, nesterov=False, weight_decay_mode="independent", momentum_dtype=torch.bfloat16),
@@ -365,6 +447,8 @@ def main() -> None:
     check_clip_factor(torch.Generator().manual_seed(1))  # its own stream: the later checks keep their inputs
     check_uncovered_fall_back(generator)
     check_muon(generator)
+    check_norm_partials(torch.Generator().manual_seed(5))
+    check_muon_norm_fusion(torch.Generator().manual_seed(6))
     check_muon_takes_one_launch_per_bucket()
     check_speculative_slots(torch.Generator().manual_seed(3))
     check_wave_speculation(torch.Generator().manual_seed(4))

@@ -89,7 +89,9 @@ def test_decay_and_update_matches_torch_on_gpu(target_dtype, update_dtype):
 @gpu_test
 @pytest.mark.parametrize("momentum_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("weight_decay_mode", ["decoupled", "independent", "l2"])
-def test_muon_fused_equals_torch_path_on_gpu(momentum_dtype, weight_decay_mode):
+def test_muon_fused_equals_torch_path_on_gpu(momentum_dtype, weight_decay_mode, monkeypatch):
+    """Bit for bit with NS reducing each stack's norm itself; with the norms the momentum passes summed (fp32 in
+    another order), within one fp16 rounding of NS's input."""
     def params():
         generator = torch.Generator(device="cuda").manual_seed(2)
         plain = torch.nn.Parameter(torch.randn(1154, 256, device="cuda", generator=generator) * 0.02)
@@ -97,8 +99,7 @@ def test_muon_fused_equals_torch_path_on_gpu(momentum_dtype, weight_decay_mode):
         qkv.is_qkv, qkv.qkv_split_shapes = True, [32, 8, 8]
         return [plain, qkv]
 
-    results = []
-    for fused in (True, False):
+    def run(fused):
         ps = params()
         optimizer = Muon(ps, lr=0.02, weight_decay=0.1, weight_decay_mode=weight_decay_mode,
                          momentum_dtype=momentum_dtype, fused_elementwise=fused)
@@ -107,10 +108,17 @@ def test_muon_fused_equals_torch_path_on_gpu(momentum_dtype, weight_decay_mode):
             for p in ps:
                 p.grad = torch.randn(p.shape, device="cuda", generator=generator) * 1e-3
             optimizer.step()
-        results.append((ps, [optimizer.state[p]["momentum_buffer"] for p in ps]))
-    (fused_params, fused_buffers), (torch_params, torch_buffers) = results
+        return ps, [optimizer.state[p]["momentum_buffer"] for p in ps]
+
+    summed_params, _ = run(True)
+    torch_params, torch_buffers = run(False)
+    monkeypatch.setattr(Muon, "_norm_partials", lambda *args: None)
+    fused_params, fused_buffers = run(True)
     for a, b in zip(fused_params + fused_buffers, torch_params + torch_buffers):
         assert torch.equal(a, b)
+    start = params()
+    for a, b, s in zip(summed_params, torch_params, start):
+        assert float((a - b).detach().norm()) <= 1e-3 * float((b - s).detach().norm())
 
 
 @gpu_test
@@ -153,3 +161,31 @@ def test_one_launch_per_bucket_equals_per_piece_on_gpu():
         fused_elementwise.decay_and_update_(target, update, decay=0.998, alpha=-0.05)
     assert fused_pieces.decay_and_update_pieces_(grads, list(stacked), decay=0.998, alpha=-0.05)
     assert all(torch.equal(a, b) for a, b in zip(grads, expected_targets))
+
+
+@gpu_test
+def test_norm_partials_add_up_to_each_slots_norm_on_gpu():
+    """On the GPU the momentum passes' partial sums of squares give each slot's Frobenius norm (fp32 sums in another
+    order than torch's reduction), for pieces in one launch and for one piece, and the slots are the ones the
+    passes store without the sums; masked tails (width 1400) add nothing."""
+    from megatron_muon.optimizer import fused_pieces
+
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    grads = [torch.randn(300, 1400, device="cuda", generator=generator) * 1e-3 for _ in range(4)]
+    buffers = [torch.randn(300, 1400, device="cuda", generator=generator) * 1e-3 for _ in range(4)]
+    plain_buffers = [b.clone() for b in buffers]
+    stacked, plain = (torch.empty(4, 300, 1400, device="cuda", dtype=BF16) for _ in range(2))
+    programs = fused_elementwise.norm_programs(stacked[0])
+    partials = torch.full((4, programs), float("nan"), device="cuda")
+    assert fused_pieces.momentum_into_slots_(grads, buffers, list(stacked), momentum=0.95, nesterov=True,
+                                             norm_partials=partials)
+    for grad, buffer, slot in zip(grads, plain_buffers, plain):
+        fused_elementwise.momentum_into_slot_(grad, buffer, slot, momentum=0.95, nesterov=True)
+    assert torch.equal(stacked, plain)
+    own = torch.linalg.vector_norm(stacked, dim=(1, 2), dtype=torch.float32)
+    torch.testing.assert_close(partials.sum(dim=1).sqrt(), own, rtol=2e-6, atol=0)
+    single, slot = torch.full((programs, ), float("nan"), device="cuda"), torch.empty_like(plain[0])
+    assert fused_elementwise.momentum_into_slot_(grads[0], plain_buffers[0].clone(), slot, momentum=0.95,
+                                                 nesterov=True, norm_partials=single)
+    own = torch.linalg.vector_norm(slot, dtype=torch.float32)
+    torch.testing.assert_close(single.sum().sqrt(), own, rtol=2e-6, atol=0)
