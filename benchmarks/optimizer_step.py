@@ -63,6 +63,7 @@ GRAPHED = "ours (auto, MegaBatch, fused splits, CUDA graph)"
 FOUR_STEPS = "ours (auto, MegaBatch, fused splits, CUDA graph, polar_express×4)"
 HEADS_GRAPHED = "ours (auto, MegaBatch, heads split, CUDA graph)"
 HEADS_FOUR_STEPS = "ours (auto, MegaBatch, heads split, CUDA graph, polar_express×4)"
+NS_NORMS = "ours (auto, MegaBatch, fused splits, CUDA graph, NS reduces the stacks' norms)"
 PROFILED = (GRAPHED, FOUR_STEPS, HEADS_FOUR_STEPS)  # the CUDA-graph rows: kernel time without host gaps
 
 
@@ -230,6 +231,14 @@ class _PerPieceMuon(Muon):
             fused_pieces.momentum_into_slots_, fused_pieces.decay_and_update_pieces_ = saved
 
 
+class _NSNormsMuon(Muon):
+    """Ours with Newton–Schulz reducing each stack's norm itself instead of taking the momentum pass's sums: the
+    same-run A/B of that fusion."""
+
+    def _norm_partials(self, bucket, pieces, slots):
+        return None
+
+
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
                  "cudaMemcpyAsync", "cudaMemsetAsync")
 
@@ -278,6 +287,7 @@ def make_variants(has_cuda: bool, qkv_sections: list[int]):
         "ours (auto, MegaBatch, fused splits, one launch per piece)": (
             "matrices", lambda ps: _PerPieceMuon(ps, lr=0.02, scale_mode="spectral")),
         GRAPHED: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", graph_newton_schulz=True)),
+        NS_NORMS: ("matrices", lambda ps: _NSNormsMuon(ps, lr=0.02, scale_mode="spectral", graph_newton_schulz=True)),
         HEADS: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", split_heads=True)),
         FOUR_STEPS: ("matrices", lambda ps: Muon(ps, lr=0.02, scale_mode="spectral", ns_steps=4,
                                                  coefficients="polar_express", graph_newton_schulz=True)),
@@ -349,8 +359,8 @@ def main() -> None:
     if args.only_ours:
         keep = ("fused AdamW, all params", "fused AdamW, non-matrix rest", "ours (auto, MegaBatch, fused splits)",
                 "ours (auto, MegaBatch, fused splits, fused elementwise off)",
-                "ours (auto, MegaBatch, fused splits, one launch per piece)", GRAPHED, HEADS, FOUR_STEPS, HEADS_GRAPHED,
-                HEADS_FOUR_STEPS)
+                "ours (auto, MegaBatch, fused splits, one launch per piece)", GRAPHED, NS_NORMS, HEADS, FOUR_STEPS,
+                HEADS_GRAPHED, HEADS_FOUR_STEPS)
         variants = {k: v for k, v in variants.items() if k in keep}
     for name, (which, factory) in variants.items():
         restore()

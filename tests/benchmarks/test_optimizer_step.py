@@ -23,6 +23,7 @@ def test_optimizer_step_benchmark_smoke(tmp_path):
     assert text.count("| ours (auto, MegaBatch, fused splits, CUDA graph) |") == 2  # step table and host table
     assert "| ours (auto, MegaBatch, heads split) |" in text  # GDN in_proj tagged with its head rows
     assert "| ours (auto, MegaBatch, fused splits, CUDA graph, polar_express×4) |" in text
+    assert "| ours (auto, MegaBatch, fused splits, CUDA graph, NS reduces the stacks' norms) |" in text  # the A/B
     assert "| ours (auto, MegaBatch, heads split, CUDA graph, polar_express×4) |" in text
     for name in ("fused splits, CUDA graph", "fused splits, CUDA graph, polar_express×4",
                  "heads split, CUDA graph, polar_express×4"):  # each graphed row's kernel table
