@@ -33,7 +33,7 @@ try:
 except ImportError:  # the torch fallback serves every call
     triton = None
 
-_COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SETTINGS = ("auto", True, False)
 
 
@@ -68,7 +68,7 @@ def _blocks_rows_cols(t: torch.Tensor) -> tuple[int, int, int] | None:
 def _strides(t: torch.Tensor) -> tuple[int, int] | None:
     """(block stride, row stride) of t as [blocks, rows, cols], or None when unit column stride or a mergeable
     leading pair is missing, or the dtype is not covered."""
-    if t.dtype not in _COVERED_DTYPES or (t.shape[-1] > 1 and t.stride(-1) != 1):
+    if t.dtype not in COVERED_DTYPES or (t.shape[-1] > 1 and t.stride(-1) != 1):
         return None
     if t.ndim == 2:
         return 0, t.stride(0)
@@ -213,14 +213,11 @@ if triton is not None:
         EMULATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PIECES: tl.constexpr,
         HAS_FACTOR: tl.constexpr, STORE_BUFFER: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
-        programs = tl.num_programs(0) * tl.num_programs(1)
-        partial_at = NormPartials + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         if PIECES:  # grid axis 2 walks same-geometry pieces: element offsets from Grad / Buffer, slots stacked
             piece = tl.program_id(2)
             Grad += tl.load(GradOffsets + piece)
             Buffer += tl.load(BufferOffsets + piece)
             Slot += piece.to(tl.int64) * slot_piece_stride
-            partial_at += piece.to(tl.int64) * programs
         block, row, col, mask = _tile(total_rows, rows, cols, ROWS, BLOCK)
         grad_at = _at(Grad, block, row, col, grad_block_stride, grad_row_stride)
         buffer_at = _at(Buffer, block, row, col, buffer_block_stride, buffer_row_stride)
@@ -248,8 +245,11 @@ if triton is not None:
         slot_value = round_to(new, Slot.dtype.element_ty, EMULATE)
         tl.store(slot_at, slot_value, mask=mask)
         if NORM:  # the stored values' squares, summed per program (Newton–Schulz's Frobenius norm, in parts)
+            program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if PIECES:  # each piece's partial sums follow the previous piece's
+                program += tl.program_id(2).to(tl.int64) * tl.num_programs(0) * tl.num_programs(1)
             squares = slot_value.to(tl.float32) * slot_value.to(tl.float32)
-            tl.store(partial_at, tl.sum(tl.where(mask, squares, 0.0)))
+            tl.store(NormPartials + program, tl.sum(tl.where(mask, squares, 0.0)))
 
     @triton.jit
     def _decay_update_kernel(

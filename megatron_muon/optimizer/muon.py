@@ -482,7 +482,7 @@ class Muon(torch.optim.Optimizer):
         if bucket.tp_group is not None or not all(ema_pending and count == 1 for *_, ema_pending, count in pieces):
             return None
         programs = fused_passes.norm_programs(slots[0])
-        if programs is None or slots[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if programs is None or slots[0].dtype not in fused_passes.COVERED_DTYPES:
             return None
         return torch.empty((len(slots), programs), dtype=torch.float32, device=slots[0].device)
 
