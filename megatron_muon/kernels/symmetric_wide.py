@@ -25,9 +25,10 @@ from megatron_muon.kernels.gluon_support import (FRONTEND_ERRORS, KernelSwitch, 
 from megatron_muon.kernels.ops import sm_count
 
 ROWS, COLUMNS = 128, 256
-# 4 × 24 KB of operands + two 64 KB epilogue buffers: 224 KB of shared memory. One buffer leaves room for 3 × 48 KB
-# of operands (64-wide k-slices): `benchmarks/symmetric_kernel.py --wide 64x3x1 32x4x2` times the two layouts.
-TILE_K, STAGES, EPILOGUE_BUFFERS = 32, 4, 2
+# 3 × 48 KB of operands (64-wide k-slices) + one 64 KB epilogue buffer that the tile and its mirror share: fewer ring
+# waits per MMA than 4 × 24 KB with two buffers (32, 4, 2), measured faster on the long Grams and in the step
+# (`benchmarks/symmetric_kernel.py --wide 64x3x1 32x4x2`, `optimizer_step_h100_rounds.md`).
+TILE_K, STAGES, EPILOGUE_BUFFERS = 64, 3, 1
 CONSUMER_WARPS = 8
 SWITCH = KernelSwitch("wide-tile Hopper symmetric kernel")
 
