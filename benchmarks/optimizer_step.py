@@ -65,7 +65,7 @@ HEADS_GRAPHED = "ours (auto, MegaBatch, heads split, CUDA graph)"
 HEADS_FOUR_STEPS = "ours (auto, MegaBatch, heads split, CUDA graph, polar_express×4)"
 NS_NORMS = "ours (auto, MegaBatch, fused splits, CUDA graph, NS reduces the stacks' norms)"
 # megatron's configuration turns the finite check off: its mixed-precision wrapper skips non-finite steps itself
-AS_MEGATRON = "ours (auto, MegaBatch, fused splits, CUDA graph, finite check off as megatron builds it)"
+AS_MEGATRON = "ours (auto, MegaBatch, fused splits, CUDA graph, finite check off: megatron's setting)"
 PROFILED = (GRAPHED, AS_MEGATRON, FOUR_STEPS, HEADS_FOUR_STEPS)  # the CUDA-graph rows: kernel time without host gaps
 
 
