@@ -5,8 +5,8 @@ Single runs of a whole optimizer step spread by 2-5 ms between runs on one machi
 compared. Alternating the trees round by round spreads drift (clocks, temperature) over all of them. Each run is a
 fresh process with the tree first on `PYTHONPATH`, so every tree is imported and autotuned on its own.
 
-    python benchmarks/alternate.py --trees main=/tmp/main new=/tmp/new --rounds 3 --out /tmp/ab.md -- \\
-        benchmarks/optimizer_step.py --only-ours
+    python benchmarks/alternate.py --trees main=/tmp/main new=/tmp/new --rounds 3 --out /tmp/ab.md \\
+        --per "fused AdamW, all params" -- benchmarks/optimizer_step.py --only-ours
 
 The script path and its arguments follow `--`; the script must accept `--out FILE` and write markdown tables
 (every script in `benchmarks/` does). A row's label is its cells before the first number; its value is that number.
@@ -63,7 +63,17 @@ def run_once(root: Path, script: str, script_args: list[str], out: Path) -> dict
     return table_rows(out.read_text())
 
 
-def summarize(names: list[str], runs: dict[str, list[dict[str, float]]]) -> list[str]:
+def per_unit(runs: dict[str, list[dict[str, float]]], unit: str) -> dict[str, list[dict[str, float]]]:
+    """Every row over the `unit` row of the same run: a ratio each process measures against its own baseline, so
+    that a baseline which moves between processes moves both sides of it."""
+    if not any(unit in run for tree_runs in runs.values() for run in tree_runs):
+        labels = sorted({label for tree_runs in runs.values() for run in tree_runs for label in run})
+        raise SystemExit(f"--per {unit!r} names no row the script reported; its rows: {labels}")
+    return {name: [{label: value / run[unit] for label, value in run.items()} for run in tree_runs if run.get(unit)]
+            for name, tree_runs in runs.items()}
+
+
+def summarize(names: list[str], runs: dict[str, list[dict[str, float]]], digits: int = 2) -> list[str]:
     """One row per label: each tree's median (min-max), and each tree's median over the first tree's."""
     labels = list(dict.fromkeys(label for name in names for run in runs[name] for label in run))
     header = ["row", *(f"{name}: median (min–max)" for name in names), *(f"{name} / {names[0]}" for name in names[1:])]
@@ -74,7 +84,7 @@ def summarize(names: list[str], runs: dict[str, list[dict[str, float]]]) -> list
             values = [run[label] for run in runs[name] if label in run]
             if values:
                 medians[name] = statistics.median(values)
-                cells.append(f"{medians[name]:.2f} ({min(values):.2f}–{max(values):.2f})")
+                cells.append(f"{medians[name]:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})")
             else:
                 cells.append("")
         base = medians.get(names[0])
@@ -92,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trees", nargs="+", type=parse_tree, required=True, help="NAME=PATH, the first is the base")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="markdown result file (printed either way)")
+    parser.add_argument("--per", default=None, metavar="ROW",
+                        help="also table every row over this row of the same run (e.g. 'fused AdamW, all params')")
     args = parser.parse_args(argv[:split])
     script, *script_args = argv[split + 1:] or [""]
     if not script:
@@ -107,11 +119,16 @@ def main(argv: list[str] | None = None) -> None:
             for name, root in args.trees:
                 out = Path(scratch) / f"{name}_{round_index}.md"
                 runs[name].append(run_once(root, script, script_args, out))
+                if args.per is not None and round_index == 0:
+                    per_unit({name: runs[name]}, args.per)  # a misspelt row stops here, not after every round
                 print(f"round {round_index + 1}/{args.rounds}: {name} done", flush=True)
     lines = [f"# Alternating A/B: `{' '.join([script, *script_args])}`", "",
              f"- {args.rounds} rounds, trees in this order each round: "
              + ", ".join(f"{name} = `{root}`" for name, root in args.trees),
              f"- command: `python benchmarks/alternate.py {' '.join(argv)}`", "", *summarize(names, runs)]
+    if args.per is not None:
+        lines += ["", f"Each row over \"{args.per}\" of the same run (the ratio each process measured):", "",
+                  *summarize(names, per_unit(runs, args.per), digits=3)]
     emit_markdown(lines, args.out)
 
 
