@@ -336,7 +336,7 @@ def main() -> None:
     from megatron_muon.kernels import symmetric, symmetric_wide
 
     if args.wide_layout is not None:
-        symmetric_wide.TILE_K, symmetric_wide.STAGES, symmetric_wide.EPILOGUE_BUFFERS = args.wide_layout
+        symmetric_wide.set_layout(*args.wide_layout)
 
     symmetric.HOPPER_KERNELS = tuple(k for k in symmetric.HOPPER_KERNELS
                                      if k[0].__name__.rsplit(".", 1)[-1] in SYMMETRIC_KERNELS[args.symmetric_kernels])
@@ -450,8 +450,8 @@ def main() -> None:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- device: {gpu}; torch {torch.__version__}, Triton {triton.__version__}",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- Hopper symmetric kernels: {args.symmetric_kernels}; the wide one's k-slices of {symmetric_wide.TILE_K}, "
-        f"{symmetric_wide.STAGES} stages, {symmetric_wide.EPILOGUE_BUFFERS} epilogue buffer(s)",
+        "- Hopper symmetric kernels: {}; the wide one's k-slices of {}, {} stages, {} epilogue buffer(s)".format(
+            args.symmetric_kernels, *symmetric_wide.layout()),
         *([f"- the first {args.layers} of the model's {SHAPE_SETS[args.shapes]['layers']} layers (their matrices "
            "and norms) with the whole embedding and output layer: the ratios weigh the embeddings' AdamW more than "
            "the whole model does"] if args.layers else []),

@@ -53,7 +53,7 @@ def kernels(device, stages: list[int], registers: list[int], wide: list[tuple[in
     yield "ours, Triton (autotuned)", 0.5, lambda A, C: symmetric.symmetric_matmul(A, A, C, *scales(C)), None, None
     for tile_k, depth, buffers in wide:
         def setup(tile_k=tile_k, depth=depth, buffers=buffers):
-            symmetric_wide.TILE_K, symmetric_wide.STAGES, symmetric_wide.EPILOGUE_BUFFERS = tile_k, depth, buffers
+            symmetric_wide.set_layout(tile_k, depth, buffers)
         yield (f"ours, Gluon wide 128 × 256 tiles, k-slices of {tile_k}, {depth} stages, "
                f"{buffers} epilogue buffer{'s' if buffers > 1 else ''}", 0.5,
                lambda A, C: symmetric_wide.symmetric_matmul_wide(A, A, C, *scales(C)), setup,
@@ -110,9 +110,8 @@ def main(argv=None) -> None:
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     from megatron_muon.kernels import symmetric_wide, symmetric_ws
 
-    defaults = (symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS, symmetric_wide.TILE_K, symmetric_wide.STAGES,
-                symmetric_wide.EPILOGUE_BUFFERS)
-    wide = args.wide or [defaults[2:]]
+    defaults = (symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS, symmetric_wide.layout())
+    wide = args.wide or [defaults[2]]
     lines = ["| stack (count × rows × inner) | kernel | ms | executed TFLOP/s | × cuBLAS time | max abs. diff. |",
              "|---|---|---:|---:|---:|---:|"]
     for count, rows, inner in args.shapes:
@@ -139,8 +138,8 @@ def main(argv=None) -> None:
             lines.append(f"| {count} × {rows} × {inner} | {name} | {ms:.3f} | {fraction * full_flop / ms / 1e9:.0f} "
                          f"| {ms / base_ms:.3f} | {error:.1e} |")
             print(lines[-1], flush=True)
-    (symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS, symmetric_wide.TILE_K, symmetric_wide.STAGES,
-     symmetric_wide.EPILOGUE_BUFFERS) = defaults
+    symmetric_ws.STAGES, symmetric_ws.CONSUMER_REGISTERS = defaults[:2]
+    symmetric_wide.set_layout(*defaults[2])
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     header = ["# Symmetric products alone: ours against cuBLAS's full product", "",
               f"- device: {gpu}; torch {torch.__version__}; {dtype}; median of {args.repeats} after {args.warmup}",

@@ -54,6 +54,19 @@ def ready(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor | None) -> bool:
                for t in tensors)
 
 
+def layout() -> tuple[int, int, int]:
+    """(k-slice, ring depth, epilogue buffers) of the launches that follow."""
+    return TILE_K, STAGES, EPILOGUE_BUFFERS
+
+
+def set_layout(tile_k: int, stages: int, buffers: int) -> None:
+    """Another layout for the launches that follow (the benchmarks compare layouts); `shared_bytes` says whether
+    it fits a block."""
+    assert buffers in (1, 2) and tile_k % 16 == 0 and stages >= 2, (tile_k, stages, buffers)
+    global TILE_K, STAGES, EPILOGUE_BUFFERS
+    TILE_K, STAGES, EPILOGUE_BUFFERS = tile_k, stages, buffers
+
+
 def shared_bytes(tile_k: int, stages: int, buffers: int) -> int:
     """Shared memory of one block (16-bit operands) but its few barriers: the operand ring and the epilogue."""
     return stages * (ROWS + COLUMNS) * tile_k * 2 + buffers * ROWS * COLUMNS * 2

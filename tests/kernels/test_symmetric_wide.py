@@ -13,8 +13,7 @@ SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm90
 
 
 @pytest.mark.parametrize("has_c", [False, True])
-@pytest.mark.parametrize("tile_k, stages, buffers", [(symmetric_wide.TILE_K, symmetric_wide.STAGES,
-                                                      symmetric_wide.EPILOGUE_BUFFERS), (32, 4, 2)])
+@pytest.mark.parametrize("tile_k, stages, buffers", [symmetric_wide.layout(), (32, 4, 2)])
 def test_compiles_for_sm90(has_c, tile_k, stages, buffers, monkeypatch):
     """Offline compile (no GPU needed) of the default and of the two-buffer layout the benchmark compares: fits
     Hopper's shared memory as `shared_bytes` counts it, uses the widest wgmma (m64n256k16) and gives the consumer
