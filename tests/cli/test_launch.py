@@ -72,7 +72,9 @@ def test_the_launchers_split_heads_flag_orthogonalizes_qkv_per_head(tmp_path):
 def test_the_fast_paths_train_through_megatron_lm_as_megatrons_own_passes(tmp_path):
     """Under the Triton interpreter the plugin's passes run on CPU. Through Megatron-LM's own training loop, bf16
     Muon (AdamW for the rest) with every step clipped: the one-pass AdamW and the clip inside Muon's momentum pass
-    follow megatron's own passes (the same losses until fp32 rounding in AdamW reaches a bf16 weight)."""
+    follow megatron's own passes: the same losses until the two AdamW passes' fp32 roundings put a master weight on
+    different sides of a bf16 rounding boundary. Which step that is depends on the machine: on one, the third step's
+    first micro-batch differed by 2.5e-5 relative while its second kept its loss bit for bit."""
     extra = ("--optimizer", "muon", "--bf16", "--clip-grad", "0.05")
     interpreter = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     ours = _launch(tmp_path / "fast", *extra, env_extra=interpreter)
@@ -80,7 +82,8 @@ def test_the_fast_paths_train_through_megatron_lm_as_megatrons_own_passes(tmp_pa
     assert ours["fast_paths"]["one_pass_adamw"] == 1 and ours["fast_paths"]["muon_clip_in_momentum"] == 1, ours
     assert ours["fast_paths"]["muon_model_copy"] == 1, ours
     assert reference["fast_paths"] is None
-    assert ours["losses"][:8] == pytest.approx(reference["losses"][:8], rel=1e-6, abs=0)
+    assert ours["losses"][:4] == pytest.approx(reference["losses"][:4], rel=1e-6, abs=0)
+    assert ours["losses"][:8] == pytest.approx(reference["losses"][:8], rel=1e-4, abs=0)
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-3, abs=0)
     assert sum(ours["losses"][-4:]) < sum(ours["losses"][:4])
 
