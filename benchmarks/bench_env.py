@@ -130,6 +130,19 @@ def git_revision() -> str:
         return "unknown"
 
 
+def graph_replay_ms(call, repeats: int) -> float:
+    """Median milliseconds of `call` captured once in a CUDA graph and replayed: its kernels' time on the GPU
+    without the host's launch gaps. `call` must be warm (compiled, autotuned); raises what capture raises (a host
+    sync, a kernel launched on another stream)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    try:
+        return timed(graph.replay, torch.device("cuda"), 1, repeats)
+    finally:
+        del graph
+
+
 def timed(call, device, warmup: int, repeats: int) -> float:
     """Median milliseconds of `call()` after warm-up (CUDA events on GPU, the wall clock on CPU)."""
     for _ in range(warmup):

@@ -24,6 +24,7 @@ CPU), so the report shows where the time goes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import shlex
@@ -38,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import package_versions  # noqa: E402
+from bench_env import graph_replay_ms, package_versions  # noqa: E402
 from kernel_profile import host_markdown, kernel_table, profile_markdown, python_table  # noqa: E402
 from gdn_chunk_op import (REFERENCE_VARIANT, against_flashqla, chunk_op_inputs, chunk_op_variants,  # noqa: E402
                           make_chunk_step, output_agreement)
@@ -209,6 +210,7 @@ def run_variant(name, make_step, device, args, compiled=False, profiles=None):
         row["first_ms"], row["ms"], row["stream_ms"], row["host_ms"] = timed_ms(step, device, args.warmup, args.reps)
         if device == "cuda":
             row["peak_mib"] = (torch.cuda.max_memory_allocated() - baseline) / 2**20
+            row.update(_graph_replay(step, args.reps))
         if compiled:
             row["breaks"], row["graphs"] = compile_stats()
         if profiles is not None and name in PROFILED:
@@ -225,6 +227,17 @@ def run_variant(name, make_step, device, args, compiled=False, profiles=None):
     return row
 
 
+def _graph_replay(step, reps: int) -> dict:
+    """{"graph_ms": the step's kernels alone, replayed from a CUDA graph} or {"graph_error": why it could not be
+    captured}: a call whose host time exceeds its kernels' time is timed by the host, this column by the kernels."""
+    try:
+        return {"graph_ms": graph_replay_ms(step, reps)}
+    except Exception as error:  # a path that syncs or launches off the stream: the other columns still stand
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+        return {"graph_error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:120]}
+
+
 def compare_to_megatron_core(ours, reference, x) -> str:
     """Relative error of our output vs megatron-core's on the same weights (same parameter names and layout)."""
     missing = ours.load_state_dict(reference.state_dict(), strict=False)
@@ -233,6 +246,10 @@ def compare_to_megatron_core(ours, reference, x) -> str:
         b = reference(x.transpose(0, 1), None)[0].float()
     error = ((a - b).norm() / b.norm()).item()
     return f"{error:.2e} (missing keys {list(missing.missing_keys)})"
+
+
+def _kernels_ms(row: dict) -> str:
+    return f"{row['graph_ms']:.2f}" if "graph_ms" in row else "-"
 
 
 def write_report(path, rows, meta, args, echo=True):
@@ -249,7 +266,8 @@ def write_report(path, rows, meta, args, echo=True):
         f"- command: `{meta['command']}`", f"- timing: median of {args.reps} calls after {args.warmup} warm-up calls "
         "(CUDA events, synchronized after each call); 'back-to-back': mean of the same number of calls issued without "
         "a sync in between (the CPU runs ahead, as inside a model); 'host ms': the CPU's time to issue one call; "
-        "'first call' includes compilation, autotuning and JIT",
+        "'first call' includes compilation, autotuning and JIT; 'kernels ms': one call captured in a CUDA graph and "
+        "replayed (the GPU's time for its kernels, no host gaps; '-' where capture failed, the reason below)",
         f"- {meta.get('agreement_of', 'ours vs megatron-core output on the same weights')}: rel. error "
         f"{meta.get('agreement', 'n/a')}",
         *([] if args.chunk_op else [
@@ -257,19 +275,20 @@ def write_report(path, rows, meta, args, echo=True):
             f"as shipped has graph breaks: {meta.get('shipped_breaks', 'same layer, see the table')}"]), "",
         "- peak MiB: memory allocated above the inputs and parameters during the timed steps (activations kept "
         "for backward and temporaries)", "",
-        "| variant | fwd+bwd ms | vs faster FLA | back-to-back ms | vs faster FLA | host ms | graph breaks | graphs | "
-        "first call ms | peak MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | fwd+bwd ms | vs faster FLA | back-to-back ms | vs faster FLA | host ms | kernels ms | "
+        "graph breaks | graphs | first call ms | peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | | |")
             continue
         ratio = f"{best_fla / r['ms']:.3f}x" if best_fla else "n/a"
         stream_ratio = f"{best_fla_stream / r['stream_ms']:.3f}x" if best_fla_stream else "n/a"
         peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else "-"
         lines.append(f"| {r['name']} | {r['ms']:.2f} | {ratio} | {r['stream_ms']:.2f} | {stream_ratio} | "
-                     f"{r.get('host_ms', float('nan')):.2f} | {r.get('breaks', '-')} | {r.get('graphs', '-')} | "
+                     f"{r.get('host_ms', float('nan')):.2f} | {_kernels_ms(r)} | {r.get('breaks', '-')} | "
+                     f"{r.get('graphs', '-')} | "
                      f"{r['first_ms']:.0f} | {peak} |")
     ours = next((r for r in rows if r["name"] == "ours compiled" and "ms" in r), None)
     if ours and best_fla:
@@ -278,6 +297,9 @@ def write_report(path, rows, meta, args, echo=True):
         lines += ["", f"Target (compiled ours >= 1.15x the faster FLA variant, 0 graph breaks): {verdict} "
                       f"({speedup:.3f}x, {ours.get('breaks')} graph breaks); back-to-back: "
                       f"{best_fla_stream / ours['stream_ms']:.3f}x."]
+    failed_captures = [f"{r['name']}: {r['graph_error']}" for r in rows if "graph_error" in r]
+    if failed_captures:
+        lines += ["", "Not captured in a CUDA graph (no kernels-only time): " + "; ".join(failed_captures)]
     if args.chunk_op:
         lines += against_flashqla(rows)
     for name in PROFILED:

@@ -11,8 +11,9 @@ The input is what the layer feeds the op: q and unit-norm k [B=1, T, H, K], v [1
                                       `model.gdn_keep_chunk_states: false`)
   ours chunk op (STAGES)              the same with other kernels per stage (`ops/kernel_choice`): FLA's state
                                       recurrences or output gradients, our Triton states, the output terms fused
-                                      into our state recurrences (both passes, or the backward only), or FLA's everywhere (our op still keeping the chunk
-                                      states), so each stage's choice is measured
+                                      into our state recurrences (both passes, or the backward only), or FLA's
+                                      everywhere (our op still keeping the chunk states), so each stage's choice is
+                                      measured
   fla chunk op                        fla.ops.gated_delta_rule.chunk_gated_delta_rule with FLA_FLASH_QLA=0, so FLA
                                       runs its own kernels rather than handing the call to FlashQLA
 """
@@ -164,6 +165,9 @@ def against_flashqla(rows: list[dict]) -> list[str]:
         verdict = "met" if speed >= 0.9 else "NOT met"
         lines.append(f"Target (our own kernels >= 0.9x FlashQLA called directly): {verdict} ({speed:.3f}x; "
                      f"back-to-back {flashqla['stream_ms'] / own['stream_ms']:.3f}x).")
+        if "graph_ms" in flashqla and "graph_ms" in own:
+            lines.append(f"Kernels only (each call replayed from a CUDA graph): {flashqla['graph_ms']:.2f} ms against "
+                         f"{own['graph_ms']:.2f}, {flashqla['graph_ms'] / own['graph_ms']:.3f}x.")
     if dispatched:
         lines.append(f"FlashQLA through our op: {flashqla['ms'] / dispatched['ms']:.3f}x FlashQLA called directly "
                      f"(back-to-back {flashqla['stream_ms'] / dispatched['stream_ms']:.3f}x).")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench_env import emit_markdown, timed  # benchmarks/ is the script's directory
+from bench_env import emit_markdown, graph_replay_ms, timed  # benchmarks/ is the script's directory
 from kernel_profile import kernel_table, profile_markdown
 from symmetric_kernel import parse_wide
 
@@ -154,12 +154,7 @@ def replayed_ms(call, device, warmup: int, repeats: int) -> float | None:
         return None
     for _ in range(warmup):
         call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    ms = timed(graph.replay, device, 1, repeats)
-    del graph
-    return ms
+    return graph_replay_ms(call, repeats)
 
 
 @torch.no_grad()

@@ -40,3 +40,24 @@ def test_stage_variants_each_change_one_choice_from_a_variant_timed_before_or_al
         assert one_change or kernels == PRESETS["fla"], suffix
         timed_before.append(kernels)
     assert len({kernels for _, kernels in STAGE_VARIANTS}) == len(STAGE_VARIANTS)
+
+
+def test_report_shows_kernels_only_time_and_why_a_capture_failed(tmp_path):
+    from argparse import Namespace
+
+    from gdn import write_report
+    from gdn_chunk_op import REFERENCE_VARIANT
+
+    rows = [dict(name=REFERENCE_VARIANT, first_ms=9.0, ms=2.0, stream_ms=1.7, host_ms=1.4, graph_ms=1.6),
+            dict(name="ours chunk op", first_ms=9.0, ms=4.0, stream_ms=3.5, host_ms=3.5, graph_ms=3.2),
+            dict(name="fla chunk op", first_ms=9.0, ms=5.0, stream_ms=4.0, host_ms=3.0,
+                 graph_error="RuntimeError: operation not permitted when stream is capturing")]
+    meta = dict(date="d", device="gpu", versions={}, backend="b", sizes={}, command="c")
+    args = Namespace(chunk_op=True, seq_len=16, reps=1, warmup=0)
+    out = tmp_path / "r.md"
+    write_report(out, rows, meta, args, echo=False)
+    text = out.read_text()
+    assert "| ours chunk op | 4.00 | 1.250x | 3.50 | 1.143x | 3.50 | 3.20 |" in text
+    assert "| fla chunk op | 5.00 | 1.000x | 4.00 | 1.000x | 3.00 | - |" in text
+    assert "Not captured in a CUDA graph (no kernels-only time): fla chunk op: RuntimeError: operation not" in text
+    assert "Kernels only (each call replayed from a CUDA graph): 1.60 ms against 3.20, 0.500x." in text
