@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import free_memory, git_revision, memory_outside_allocator_gib, package_versions  # noqa: E402
 from e2e_report import write_profile, write_report  # noqa: E402
-from e2e_rungs import Rung, build_upstream_model, build_upstream_te_model, parse_rungs  # noqa: E402
+from e2e_rungs import (Rung, build_upstream_model, build_upstream_te_model, parse_rungs,  # noqa: E402
+                       rung_gdn_kernels)
 
 from megatron_muon.ops.backend import fla_own_backward_refusal  # noqa: E402
 from megatron_muon.ops.kernel_choice import set_gdn_kernels  # noqa: E402
@@ -47,7 +48,8 @@ def rung_recipe(recipe, rung: Rung):
     return replace(recipe, optimizer=replace(recipe.optimizer, name=rung.optimizer,
                                              muon_graph_newton_schulz=rung.muon_graphs),
                    training=replace(recipe.training, torch_compile=rung.compiled),
-                   model=replace(recipe.model, spec_backend=rung.spec_backend))
+                   # the rung's GDN kernels are set before the build (`rung_gdn_kernels`); the build must not reset them
+                   model=replace(recipe.model, spec_backend=rung.spec_backend, gdn_kernels=None))
 
 
 def build_rung(recipe, rung: Rung, on_gpu: bool, owner_plan=None):
@@ -164,7 +166,10 @@ def run_rung(base_recipe, rung: Rung, ctx, args, profile_path: Path | None) -> d
     on_gpu = ctx.device.type == "cuda"
     start = time.perf_counter()
     model = optimizer = None
-    set_gdn_kernels(rung.gdn_kernels)
+    kernels = rung_gdn_kernels(rung, base_recipe.model.gdn_kernels)
+    set_gdn_kernels(kernels)
+    if rung.spec == "ours":
+        row["gdn_kernels"] = kernels.name or repr(kernels)
     attention_environment = {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}
     try:
         model, optimizer, _ = build_rung(recipe, rung, on_gpu)

@@ -29,8 +29,13 @@ gain of each, measured in the same run).
 `4g` is rung 4 with GDN's chunk-parallel backward in one kernel (`ops/chunk_bwd_fused.py`: the output gradients, the
 WY backward and the gate gradient's reverse cumsum), `4i` with the forward's chunk-parallel part in one kernel
 (`ops/chunk_fwd_intra.py`: the gate cumsum, the WY inverse, w and u), `4c` with both (the gain of each and of both,
-measured in the same run); `4ib` joins `4i` and `4b`, the two op-level gains at the hybrid's heads. `4s` is rung 4 with GDN's chunk states in segments side by side on our Triton kernels
-(`model.gdn_kernels` states `segments`, `ops/state_segments.py`).
+measured in the same run); `4ib` joins `4i` and `4b`, the two op-level gains at the hybrid's heads. `4s` is rung 4
+with GDN's chunk states in segments side by side on our Triton kernels (`model.gdn_kernels` states `segments`,
+`ops/state_segments.py`).
+`4l` is rung 4 with the q/k L2 norm as plain torch ops in the compiled graph (`GdnKernels.qk_norm: inductor`), which
+Inductor can fuse with the SiLU before it and the gradients after it, instead of FLA's two kernels per layer.
+A rung without its own GDN kernels runs the recipe's `model.gdn_kernels` (the default where the recipe names none); the
+other rung 4 variants name theirs, so on a recipe that names kernels they differ from it in more than one stage.
 `4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
 `megatron_muon.megatron.main_grad_add.install_first_grad_overwrite`, measured in the same run).
 `4a` is rung 4 with megatron's clip multiply, torch's fused AdamW and megatron's master-to-model copy as three
@@ -54,7 +59,7 @@ difference between the two is the fused pre-norm, not the GDN or attention kerne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_muon.ops.kernel_choice import GdnKernels
 
@@ -74,7 +79,9 @@ class Rung:
     muon_clip_in_momentum: bool = False  # megatron's clip applied inside our Muon's fused momentum pass
     muon_model_copy: bool = False  # the bf16 model copies written by our Muon's fused update pass
     first_grad_overwrite: bool = False  # each step's first gradient overwrites DDP's buffers (no zeroing pass)
-    gdn_kernels: str | GdnKernels = "ours"  # GDN's chunk kernels: a preset of `ops.kernel_choice` or a per-stage mix
+    # GDN's chunk kernels: a preset of `ops.kernel_choice` or a per-stage mix; None: the recipe's (else the default)
+    gdn_kernels: str | GdnKernels | None = None
+    qk_norm: str = "fla"  # the q/k L2 norm in front of GDN's chunk op (`GdnKernels.qk_norm`), on any kernel choice
     spec_backend: str = "local"  # our spec's modules: "local" or Transformer Engine's ("te")
     muon_graphs: bool = False  # our Muon's stacks and Newton–Schulz replayed from a CUDA graph
 
@@ -121,6 +128,8 @@ RUNGS = {
     "4s": Rung("4s", "rung 4 with GDN's chunk states in segments side by side", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
                gdn_kernels=GdnKernels(states="segments")),
+    "4l": Rung("4l", "rung 4 with the q/k L2 norm left to Inductor", "ours", "cudnn", True, "adam", True,
+               main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, qk_norm="inductor"),
     "4z": Rung("4z", "rung 4 with DDP's buffers zeroed every step", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True),
     "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,
@@ -140,6 +149,14 @@ RUNGS = {
                True, main_grad_add=True, one_pass_adamw=True, muon_clip_in_momentum=True, first_grad_overwrite=True),
 }
 DEFAULT_RUNGS = ("1", "1r", "2", "3", "4e", "4", "5", "6")
+
+
+def rung_gdn_kernels(rung: Rung, recipe_choice: str | None) -> GdnKernels:
+    """The kernels a rung runs GDN's ops on: its own choice, else the recipe's (`model.gdn_kernels`), else the
+    default, with the rung's q/k norm."""
+    choice = rung.gdn_kernels if rung.gdn_kernels is not None else recipe_choice
+    kernels = GdnKernels.named(choice) if isinstance(choice, str) else (choice or GdnKernels())
+    return replace(kernels, qk_norm=rung.qk_norm)
 
 
 def parse_rungs(text: str) -> list[Rung]:

@@ -3,6 +3,7 @@
 Variants, each timed on the same random input [B=1, T, hidden=2048] in bf16 (--sizes hybrid-1.5b, the default: GDN
 6 heads, key head dim 256, value head dim 512, conv 4; --sizes qwen3-next: 16 q/k heads and 32 value heads of 128):
   ours eager / ours compiled   megatron_muon.layers.gated_deltanet.GatedDeltaNet (local spec, tp=1) on our custom ops
+  ours compiled, qk norm in Inductor   the same with the q/k L2 norm as torch ops in the graph (`qk_norm: inductor`)
   fla eager / fla compiled     fla.layers.GatedDeltaNet (flash-linear-attention 0.6; FLA itself hands K = V = 128
                                calls to FlashQLA where flash-qla is installed)
   megatron-core eager          megatron.core.ssm.gated_delta_net.GatedDeltaNet with a local (non-TE) spec
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+from dataclasses import replace
 import os
 import shlex
 import statistics
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import graph_replay_ms, package_versions  # noqa: E402
+from megatron_muon.ops.kernel_choice import gdn_kernels, set_gdn_kernels  # noqa: E402
 from kernel_profile import host_markdown, kernel_table, profile_markdown, python_table  # noqa: E402
 from gdn_chunk_op import (REFERENCE_VARIANT, against_flashqla, chunk_op_inputs, chunk_op_variants,  # noqa: E402
                           make_chunk_step, output_agreement)
@@ -319,9 +322,9 @@ def main() -> None:
     parser.add_argument("--sizes", choices=tuple(SIZES), default="hybrid-1.5b", help="GDN head counts and dims")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (script smoke test; same as --sizes tiny)")
     parser.add_argument("--chunk-op", action="store_true", help="time the chunk op alone instead of the layer")
-    parser.add_argument("--skip", default="", help="comma-separated variants to skip: ours eager, ours compiled, "
-                        "ours recompute, fla eager, fla compiled, megatron; with --chunk-op: FlashQLA, "
-                        "ours chunk op, fla chunk op")
+    parser.add_argument("--skip", default="", help="comma-separated variant prefixes to skip: ours eager, ours "
+                        "compiled (and its qk-norm variant), ours compiled, qk norm, ours recompute, fla eager, fla "
+                        "compiled, megatron; with --chunk-op: FlashQLA, ours chunk op, fla chunk op")
     parser.add_argument("--out", default="benchmarks/results/gdn.md")
     parser.add_argument("--profile", action="store_true",
                         help=f"add top-kernel tables for {' and '.join(PROFILED)} to the report")
@@ -373,6 +376,16 @@ def main() -> None:
     if wanted("ours compiled"):
         record(run_variant("ours compiled", lambda: fwd_bwd(torch.compile(ours), x, grad, True), device, args,
                            compiled=True, profiles=profiles))
+    if wanted("ours compiled, qk norm"):
+
+        def make_ours_inductor_norm():
+            set_gdn_kernels(replace(gdn_kernels(), qk_norm="inductor"))
+            return fwd_bwd(torch.compile(ours), x, grad, True)
+
+        before = gdn_kernels()
+        record(run_variant("ours compiled, qk norm in Inductor", make_ours_inductor_norm, device, args,
+                           compiled=True))
+        set_gdn_kernels(before)
     if wanted("fla eager") or wanted("fla compiled"):
         fla = None
 

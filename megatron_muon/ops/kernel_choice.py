@@ -19,6 +19,9 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``intra``: the chunk-parallel forward before the recurrence (the gate's chunk-local cumulative sum, the WY inverse,
   w and u): "fla" (FLA's cumsum, fused kkt + solve and `recompute_w_u`) or "ours" (one kernel,
   `ops/chunk_fwd_intra.py`).
+- ``qk_norm``: the q/k L2 norm in front of the op (``use_qk_l2norm_in_kernel``): "fla" (FLA's Triton kernels as
+  custom ops, eager and compiled) or "inductor" (plain torch ops where the graph is compiled, so Inductor can fuse
+  the norm with the SiLU before it and the gradients after it; eager keeps the kernels).
 
 Named presets: "ours" (gluon + ours + fla, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
 fla), "segments" (segments + ours + fla) and "fla" (FLA's everywhere).
@@ -36,6 +39,7 @@ STATE_KERNELS = ("gluon", "triton", "fla", "segments")
 OUTPUT_GRAD_KERNELS = ("ours", "fused", "fla")
 OUTPUT_TERM_KERNELS = ("fla", "fused", "backward")
 INTRA_KERNELS = ("fla", "ours")
+QK_NORM_KERNELS = ("fla", "inductor")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class GdnKernels:
     output_grads: str = "ours"
     output_terms: str = "fla"
     intra: str = "fla"
+    qk_norm: str = "fla"
 
     def __post_init__(self):
         if self.states not in STATE_KERNELS:
@@ -56,6 +61,8 @@ class GdnKernels:
             raise ValueError(f"GDN output-term kernels {self.output_terms!r}; valid choices: {OUTPUT_TERM_KERNELS}")
         if self.intra not in INTRA_KERNELS:
             raise ValueError(f"GDN intra-chunk forward kernels {self.intra!r}; valid choices: {INTRA_KERNELS}")
+        if self.qk_norm not in QK_NORM_KERNELS:
+            raise ValueError(f"GDN q/k L2-norm kernels {self.qk_norm!r}; valid choices: {QK_NORM_KERNELS}")
 
     @classmethod
     def named(cls, name: str, where: str = "gdn_kernels") -> GdnKernels:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from megatron_muon.ops import fla_backend
 from megatron_muon.ops.backend import backend_for
+from megatron_muon.ops.kernel_choice import gdn_kernels
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -18,9 +19,20 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in x.dtype."""
+    """x / sqrt(sum(x^2) + eps) over the last dim, in x.dtype; in compiled graphs as plain torch ops where the GDN
+    kernel choice says so (``qk_norm: inductor``), which Inductor can fuse with its neighbours."""
+    if torch.compiler.is_compiling() and _qk_norm_traced_as_torch_ops():
+        dtype = _compute_dtype(x)
+        x_c = x.to(dtype)
+        return (x_c * torch.rsqrt(x_c.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
     y, _ = l2norm_fwd(x, float(eps))
     return y
+
+
+@torch.compiler.assume_constant_result
+def _qk_norm_traced_as_torch_ops() -> bool:
+    """Read once per trace as a constant, so the process-wide choice neither guards nor recompiles a graph."""
+    return gdn_kernels().qk_norm == "inductor"
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:

@@ -54,6 +54,28 @@ def test_only_the_te_rungs_build_our_spec_on_transformer_engine():
     assert compiled == {"4te-e": False, "4te": True, "1te": False, "1tm": False, "3te": True}
 
 
+def test_rungs_run_their_own_gdn_kernels_else_the_recipes_and_the_build_keeps_them():
+    """A recipe naming GDN kernels (the Qwen3-Next one: "fused") sets rung 4's; a rung naming its own wins over it,
+    and 4l changes only the q/k norm of whichever applies. The built recipe names none, so building the model does
+    not reset the rung's choice."""
+    from e2e import rung_recipe
+    from e2e_rungs import rung_gdn_kernels
+
+    from megatron_muon.ops.kernel_choice import PRESETS, GdnKernels
+    from megatron_muon.training.recipes import load_recipe
+
+    qwen3 = load_recipe("qwen3-next-1.5b-h200", [])
+    assert qwen3.model.gdn_kernels == "fused"
+    hybrid = load_recipe("hybrid-1.5b-h200", [])
+    assert hybrid.model.gdn_kernels is None
+    on_qwen3 = {r.key: rung_gdn_kernels(r, qwen3.model.gdn_kernels) for r in parse_rungs("4,4f,4i,4l")}
+    assert on_qwen3 == {"4": PRESETS["fused"], "4f": PRESETS["fla"], "4i": GdnKernels(intra="ours"),
+                        "4l": GdnKernels("gluon", "ours", "fused", qk_norm="inductor")}
+    on_hybrid = {r.key: rung_gdn_kernels(r, hybrid.model.gdn_kernels) for r in parse_rungs("4,4l")}
+    assert on_hybrid == {"4": GdnKernels(), "4l": GdnKernels(qk_norm="inductor")}
+    assert all(rung_recipe(qwen3, r).model.gdn_kernels is None for r in parse_rungs("4,4l"))
+
+
 def test_only_rung_6g_replays_muons_newton_schulz_from_graphs():
     from e2e import rung_recipe
 

@@ -83,3 +83,44 @@ def test_compiled_gated_norm_equals_the_op_on_a_strided_gate():
             results.append([out, *(leaf.grad for leaf in leaves)])
         for got, expected in zip(results[1], results[0]):
             torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_qk_norm_choice_inductor_traces_plain_torch_ops_equal_to_the_kernel_op():
+    """With ``qk_norm: inductor`` a compiled graph holds the q/k L2 norm as torch ops (no l2norm custom op) and gives
+    the eager op's outputs and the gradients of q, k, v, g and beta; with the default it keeps the custom op."""
+    from megatron_muon.ops.kernel_choice import GdnKernels, gdn_kernels, set_gdn_kernels
+
+    def run(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    torch.manual_seed(5)
+    inputs = [torch.randn(1, 70, 2, 8), torch.randn(1, 70, 2, 8), torch.randn(1, 70, 4, 8),
+              F.logsigmoid(torch.randn(1, 70, 4)), torch.rand(1, 70, 4)]
+    do = torch.randn(1, 70, 4, 8)
+
+    def outputs_and_grads(fn):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, do)]
+
+    expected = outputs_and_grads(run)
+    before = gdn_kernels()
+    try:
+        for choice, custom_op_in_graph in (("fla", True), ("inductor", False)):
+            set_gdn_kernels(GdnKernels(qk_norm=choice))
+            torch._dynamo.reset()
+            codes = []
+
+            def capture(gm, example_inputs):
+                codes.append(gm.code)
+                return gm.forward
+
+            outputs_and_grads(torch.compile(run, backend=capture, fullgraph=True))
+            assert ("l2norm_fwd" in codes[0]) == custom_op_in_graph, choice
+            torch._dynamo.reset()
+            got = outputs_and_grads(torch.compile(run, backend="inductor", fullgraph=True))
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    finally:
+        set_gdn_kernels(before)
+        torch._dynamo.reset()
