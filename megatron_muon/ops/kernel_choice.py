@@ -26,7 +26,8 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 Named presets: "ours" (gluon + ours + fla, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
 fla), "segments" (segments + ours + fla) and "fla" (FLA's everywhere).
 `set_gdn_kernels` (the recipe's ``model.gdn_kernels``) sets the choice; when nothing did, MEGATRON_MUON_GDN_KERNELS
-seeds it at the first op call. The ops read it inside their kernels, so it never becomes a guard in a compiled graph.
+seeds it at the first op call. The ops read it inside their kernels, so it never becomes a guard in a compiled graph;
+``qk_norm`` is read when a graph is traced, and the graph keeps the choice it was traced with.
 """
 
 from __future__ import annotations

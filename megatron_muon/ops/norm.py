@@ -31,7 +31,8 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 @torch.compiler.assume_constant_result
 def _qk_norm_traced_as_torch_ops() -> bool:
-    """Read once per trace as a constant, so the process-wide choice neither guards nor recompiles a graph."""
+    """Read once per trace as a constant: the process-wide choice adds no guard, and a compiled graph keeps the
+    choice it was traced with."""
     return gdn_kernels().qk_norm == "inductor"
 
 
