@@ -61,3 +61,27 @@ def test_report_shows_kernels_only_time_and_why_a_capture_failed(tmp_path):
     assert "| fla chunk op | 5.00 | 1.000x | 4.00 | 1.000x | 3.00 | - |" in text
     assert "Not captured in a CUDA graph (no kernels-only time): fla chunk op: RuntimeError: operation not" in text
     assert "Kernels only (each call replayed from a CUDA graph): 1.60 ms against 3.20, 0.500x." in text
+
+
+def test_python_table_leaves_out_the_custom_op_dispatch_that_cprofile_counts_twice():
+    """cProfile books torch's custom-op `backend_impl` the implementation's whole time as its own self time; the
+    table leaves that row out of its rows and total and says so."""
+    import time
+
+    import torch
+    from kernel_profile import python_table
+
+    @torch.library.custom_op("megatron_muon_test::busy_clone", mutates_args=())
+    def busy_clone(x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        while time.perf_counter() - start < 2e-3:
+            pass
+        return x.clone()
+
+    x = torch.randn(3)
+    busy_clone(x)  # first call: registration and imports out of the profile
+    lines = python_table(lambda: busy_clone(x), "cpu", steps=3, top=50)
+    rows = [line for line in lines if line.startswith("| `")]
+    assert any("busy_clone" in row for row in rows)
+    assert not any("backend_impl" in row for row in rows)
+    assert "`backend_impl` left out" in lines[1]
