@@ -96,8 +96,8 @@ def test_profiled_rungs_must_be_run():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode run; the GPU runs the real ladder")
 def test_cpu_ladder_compiled_equals_eager_over_20_steps(tmp_path):
     """On the tiny recipe (fp32, CPU): our spec trains, the compiled model (inductor) follows the eager run's loss for
-    20 steps, with the q/k norm left to Inductor too (4l), and the report names each rung; the upstream rung fails only for the stated reason (megatron-core's GDN
-    needs FLA, absent on CPU) without hiding the others."""
+    20 steps, with the q/k norm left to Inductor too (4l), and the report names each rung; the upstream rung fails
+    only for the stated reason (megatron-core's GDN needs FLA, absent on CPU) without hiding the others."""
     out = tmp_path / "e2e.md"
     # A child process: the script starts its own process group and CPU mode, which must not leak into pytest.
     subprocess.run([sys.executable, str(BENCHMARKS / "e2e.py"), "--recipe", "tiny-cpu", "--rungs", "1,4e,4,4l",
