@@ -33,7 +33,9 @@ measured in the same run); `4ib` joins `4i` and `4b`, the two op-level gains at 
 with GDN's chunk states in segments side by side on our Triton kernels (`model.gdn_kernels` states `segments`,
 `ops/state_segments.py`).
 `4l` is rung 4 with the q/k L2 norm as plain torch ops in the compiled graph (`GdnKernels.qk_norm: inductor`), which
-Inductor can fuse with the SiLU before it and the gradients after it, instead of FLA's two kernels per layer.
+Inductor can fuse with the SiLU before it and the gradients after it, instead of FLA's two kernels per layer; `4v`
+also leaves the causal conv to Inductor (`GdnKernels.conv: inductor`), so the conv, the SiLU and the norm can be one
+pass forward and one backward.
 A rung without its own GDN kernels runs the recipe's `model.gdn_kernels` (the default where the recipe names none); the
 other rung 4 variants name theirs, so on a recipe that names kernels they differ from it in more than one stage.
 `4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
@@ -81,7 +83,9 @@ class Rung:
     first_grad_overwrite: bool = False  # each step's first gradient overwrites DDP's buffers (no zeroing pass)
     # GDN's chunk kernels: a preset of `ops.kernel_choice` or a per-stage mix; None: the recipe's (else the default)
     gdn_kernels: str | GdnKernels | None = None
-    qk_norm: str = "fla"  # the q/k L2 norm in front of GDN's chunk op (`GdnKernels.qk_norm`), on any kernel choice
+    # the q/k L2 norm and the causal conv in front of GDN's chunk op (`GdnKernels.qk_norm`, `.conv`), on any choice
+    qk_norm: str = "kernels"
+    conv: str = "kernels"
     spec_backend: str = "local"  # our spec's modules: "local" or Transformer Engine's ("te")
     muon_graphs: bool = False  # our Muon's stacks and Newton–Schulz replayed from a CUDA graph
 
@@ -130,6 +134,9 @@ RUNGS = {
                gdn_kernels=GdnKernels(states="segments")),
     "4l": Rung("4l", "rung 4 with the q/k L2 norm left to Inductor", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, qk_norm="inductor"),
+    "4v": Rung("4v", "rung 4 with GDN's conv and q/k L2 norm left to Inductor", "ours", "cudnn", True, "adam", True,
+               main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, qk_norm="inductor",
+               conv="inductor"),
     "4z": Rung("4z", "rung 4 with DDP's buffers zeroed every step", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True),
     "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,
@@ -156,7 +163,7 @@ def rung_gdn_kernels(rung: Rung, recipe_choice: str | None) -> GdnKernels:
     default, with the rung's q/k norm."""
     choice = rung.gdn_kernels if rung.gdn_kernels is not None else recipe_choice
     kernels = GdnKernels.named(choice) if isinstance(choice, str) else (choice or GdnKernels())
-    return replace(kernels, qk_norm=rung.qk_norm)
+    return replace(kernels, qk_norm=rung.qk_norm, conv=rung.conv)
 
 
 def parse_rungs(text: str) -> list[Rung]:

@@ -4,6 +4,7 @@ Variants, each timed on the same random input [B=1, T, hidden=2048] in bf16 (--s
 6 heads, key head dim 256, value head dim 512, conv 4; --sizes qwen3-next: 16 q/k heads and 32 value heads of 128):
   ours eager / ours compiled   megatron_muon.layers.gated_deltanet.GatedDeltaNet (local spec, tp=1) on our custom ops
   ours compiled, qk norm in Inductor   the same with the q/k L2 norm as torch ops in the graph (`qk_norm: inductor`)
+  ours compiled, conv and qk norm in Inductor   and the causal conv as well (`conv: inductor`)
   fla eager / fla compiled     fla.layers.GatedDeltaNet (flash-linear-attention 0.6; FLA itself hands K = V = 128
                                calls to FlashQLA where flash-qla is installed)
   megatron-core eager          megatron.core.ssm.gated_delta_net.GatedDeltaNet with a local (non-TE) spec
@@ -323,8 +324,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (script smoke test; same as --sizes tiny)")
     parser.add_argument("--chunk-op", action="store_true", help="time the chunk op alone instead of the layer")
     parser.add_argument("--skip", default="", help="comma-separated variant prefixes to skip: ours eager, ours "
-                        "compiled (and its qk-norm variant), ours compiled, qk norm, ours recompute, fla eager, fla "
-                        "compiled, megatron; with --chunk-op: FlashQLA, ours chunk op, fla chunk op")
+                        "compiled (and its variants), ours compiled, qk norm, ours compiled, conv, ours recompute, "
+                        "fla eager, fla compiled, megatron; with --chunk-op: FlashQLA, ours chunk op, fla chunk op")
     parser.add_argument("--out", default="benchmarks/results/gdn.md")
     parser.add_argument("--profile", action="store_true",
                         help=f"add top-kernel tables for {' and '.join(PROFILED)} to the report")
@@ -376,15 +377,17 @@ def main() -> None:
     if wanted("ours compiled"):
         record(run_variant("ours compiled", lambda: fwd_bwd(torch.compile(ours), x, grad, True), device, args,
                            compiled=True, profiles=profiles))
-    if wanted("ours compiled, qk norm"):
+    for suffix, around_op in (("qk norm in Inductor", dict(qk_norm="inductor")),
+                              ("conv and qk norm in Inductor", dict(qk_norm="inductor", conv="inductor"))):
+        if not wanted(f"ours compiled, {suffix}"):
+            continue
 
-        def make_ours_inductor_norm():
-            set_gdn_kernels(replace(gdn_kernels(), qk_norm="inductor"))
+        def make_ours_around_op_in_inductor(around_op=around_op):
+            set_gdn_kernels(replace(gdn_kernels(), **around_op))
             return fwd_bwd(torch.compile(ours), x, grad, True)
 
         before = gdn_kernels()
-        record(run_variant("ours compiled, qk norm in Inductor", make_ours_inductor_norm, device, args,
-                           compiled=True))
+        record(run_variant(f"ours compiled, {suffix}", make_ours_around_op_in_inductor, device, args, compiled=True))
         set_gdn_kernels(before)
     if wanted("fla eager") or wanted("fla compiled"):
         fla = None

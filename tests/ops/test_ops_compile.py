@@ -106,7 +106,7 @@ def test_qk_norm_choice_inductor_traces_plain_torch_ops_equal_to_the_kernel_op()
     expected = outputs_and_grads(run)
     before = gdn_kernels()
     try:
-        for choice, custom_op_in_graph in (("fla", True), ("inductor", False)):
+        for choice, custom_op_in_graph in (("kernels", True), ("inductor", False)):
             set_gdn_kernels(GdnKernels(qk_norm=choice))
             torch._dynamo.reset()
             codes = []
@@ -121,6 +121,48 @@ def test_qk_norm_choice_inductor_traces_plain_torch_ops_equal_to_the_kernel_op()
             got = outputs_and_grads(torch.compile(run, backend="inductor", fullgraph=True))
             for a, b in zip(got, expected):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    finally:
+        set_gdn_kernels(before)
+        torch._dynamo.reset()
+
+
+def test_conv_choice_inductor_traces_shifted_adds_equal_to_the_conv_op():
+    """With ``conv: inductor`` a compiled graph holds the causal conv as torch ops (no conv custom op) and gives the
+    op's output and the gradients of x, weight and bias, for dense and packed (cu_seqlens) batches."""
+    from megatron_muon.ops.kernel_choice import GdnKernels, gdn_kernels, set_gdn_kernels
+
+    torch.manual_seed(6)
+    cases = [(torch.randn(2, 37, 12), None), (torch.randn(1, 40, 12), torch.tensor([0, 9, 25, 40]))]
+    weight, bias = torch.randn(12, 4) * 0.4, torch.randn(12) * 0.1
+    before = gdn_kernels()
+    try:
+        for x, cu_seqlens in cases:
+            dy = torch.randn_like(x)
+
+            def run(x, weight, bias, cu_seqlens=cu_seqlens):
+                return causal_conv1d(x, weight, bias, activation=None, cu_seqlens=cu_seqlens)
+
+            def outputs_and_grads(fn):
+                leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+                out = fn(*leaves)
+                return [out, *torch.autograd.grad(out, leaves, dy)]
+
+            expected = outputs_and_grads(run)
+            for choice, custom_op_in_graph in (("kernels", True), ("inductor", False)):
+                set_gdn_kernels(GdnKernels(conv=choice))
+                torch._dynamo.reset()
+                codes = []
+
+                def capture(gm, example_inputs):
+                    codes.append(gm.code)
+                    return gm.forward
+
+                outputs_and_grads(torch.compile(run, backend=capture, fullgraph=True))
+                assert ("causal_conv1d_fwd" in codes[0]) == custom_op_in_graph, choice
+                torch._dynamo.reset()
+                got = outputs_and_grads(torch.compile(run, backend="inductor", fullgraph=True))
+                for a, b in zip(got, expected):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     finally:
         set_gdn_kernels(before)
         torch._dynamo.reset()
