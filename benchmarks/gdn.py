@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-from dataclasses import replace
 import os
 import shlex
 import statistics
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
