@@ -18,9 +18,9 @@ parameter layout, so ours is also checked against megatron-core's output on the 
 --chunk-op times the chunk op alone instead of the layer: ours (FlashQLA turned off and, where it runs, dispatched to
 FlashQLA), FLA's own kernels and FlashQLA called directly, on one input (gdn_chunk_op.py).
 
---profile adds, for our compiled layer and FLA's eager layer (with --chunk-op: our chunk op, split and fused, and
-FlashQLA's), a torch.profiler table of the kernels that take the most time per fwd+bwd step (CPU ops when run on the
-CPU), so the report shows where the time goes.
+--profile adds, for our compiled layer (with and without Inductor's conv and q/k norm) and FLA's eager layer (with
+--chunk-op: our chunk op, split and fused, and FlashQLA's), a torch.profiler table of the kernels that take the most
+time per fwd+bwd step (CPU ops when run on the CPU), so the report shows where the time goes.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ REFERENCE = dict(hidden=2048, key_heads=6, value_heads=6, key_dim=256, value_dim
 QWEN3_NEXT = dict(hidden=2048, key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv=4)
 TINY = dict(hidden=64, key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv=4)
 SIZES = {"hybrid-1.5b": REFERENCE, "qwen3-next": QWEN3_NEXT, "tiny": TINY}
-PROFILED = ("ours compiled", "fla eager", "ours chunk op", "ours chunk op (output terms: fused)",
-            "ours chunk op (intra: ours)", "ours chunk op (fused terms, fused grads, intra ours)", REFERENCE_VARIANT)
+PROFILED = ("ours compiled", "ours compiled, conv and qk norm in Inductor", "fla eager", "ours chunk op",
+            "ours chunk op (output terms: fused)", "ours chunk op (intra: ours)",
+            "ours chunk op (fused terms, fused grads, intra ours)", REFERENCE_VARIANT)
 
 
 def timed_ms(fn, device: str, warmup: int, reps: int) -> tuple[float, float, float, float]:
@@ -387,7 +388,8 @@ def main() -> None:
             return fwd_bwd(torch.compile(ours), x, grad, True)
 
         before = gdn_kernels()
-        record(run_variant(f"ours compiled, {suffix}", make_ours_around_op_in_inductor, device, args, compiled=True))
+        record(run_variant(f"ours compiled, {suffix}", make_ours_around_op_in_inductor, device, args, compiled=True,
+                           profiles=profiles))
         set_gdn_kernels(before)
     if wanted("fla eager") or wanted("fla compiled"):
         fla = None
