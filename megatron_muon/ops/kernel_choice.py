@@ -19,12 +19,12 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``intra``: the chunk-parallel forward before the recurrence (the gate's chunk-local cumulative sum, the WY inverse,
   w and u): "fla" (FLA's cumsum, fused kkt + solve and `recompute_w_u`) or "ours" (one kernel,
   `ops/chunk_fwd_intra.py`).
-- ``qk_norm``: the q/k L2 norm in front of the op (``use_qk_l2norm_in_kernel``): "kernels" (FLA's Triton kernels as
-  custom ops, eager and compiled) or "inductor" (plain torch ops where the graph is compiled, so Inductor can fuse
-  the norm with the SiLU before it and the gradients after it; eager keeps the kernels).
 - ``conv``: the layer's causal conv (`ops/conv.py`): "kernels" (FLA's forward and our backward as custom ops) or
-  "inductor" (its shifted multiply-adds as torch ops where the graph is compiled, so Inductor can fuse the conv,
-  the SiLU and the q/k norm into one pass each way; eager keeps the kernels).
+  "inductor" (its shifted multiply-adds as torch ops where the graph is compiled, so Inductor can fuse it with the
+  SiLU after it and its gradient; eager keeps the kernels; opt-in until measured).
+- ``qk_norm``: the q/k L2 norm in front of the op (``use_qk_l2norm_in_kernel``): "kernels" (FLA's Triton kernels as
+  custom ops, eager and compiled) or "inductor" (plain torch ops where the graph is compiled; alone it measured level
+  and kept more activations, `benchmarks/results/history/e2e_l2norm_in_graph_not_kept.md`).
 
 Named presets: "ours" (gluon + ours + fla, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
 fla), "segments" (segments + ours + fla) and "fla" (FLA's everywhere).
