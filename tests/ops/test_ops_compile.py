@@ -85,29 +85,21 @@ def test_compiled_gated_norm_equals_the_op_on_a_strided_gate():
             torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
 
 
-def test_qk_norm_choice_inductor_traces_plain_torch_ops_equal_to_the_kernel_op():
-    """With ``qk_norm: inductor`` a compiled graph holds the q/k L2 norm as torch ops (no l2norm custom op) and gives
-    the eager op's outputs and the gradients of q, k, v, g and beta; with the default it keeps the custom op."""
+def _check_around_op_choice(stage: str, custom_op: str, run, inputs, grad_out) -> None:
+    """For ``GdnKernels(<stage>=...)``: a compiled graph holds `custom_op` with "kernels" and not with "inductor", and
+    the Inductor-compiled outputs and gradients of all inputs equal the eager op's (fp32, 1e-5)."""
     from megatron_muon.ops.kernel_choice import GdnKernels, gdn_kernels, set_gdn_kernels
-
-    def run(q, k, v, g, beta):
-        return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
-
-    torch.manual_seed(5)
-    inputs = [torch.randn(1, 70, 2, 8), torch.randn(1, 70, 2, 8), torch.randn(1, 70, 4, 8),
-              F.logsigmoid(torch.randn(1, 70, 4)), torch.rand(1, 70, 4)]
-    do = torch.randn(1, 70, 4, 8)
 
     def outputs_and_grads(fn):
         leaves = [t.clone().requires_grad_() for t in inputs]
         out = fn(*leaves)
-        return [out, *torch.autograd.grad(out, leaves, do)]
+        return [out, *torch.autograd.grad(out, leaves, grad_out)]
 
     expected = outputs_and_grads(run)
     before = gdn_kernels()
     try:
         for choice, custom_op_in_graph in (("kernels", True), ("inductor", False)):
-            set_gdn_kernels(GdnKernels(qk_norm=choice))
+            set_gdn_kernels(GdnKernels(**{stage: choice}))
             torch._dynamo.reset()
             codes = []
 
@@ -116,7 +108,7 @@ def test_qk_norm_choice_inductor_traces_plain_torch_ops_equal_to_the_kernel_op()
                 return gm.forward
 
             outputs_and_grads(torch.compile(run, backend=capture, fullgraph=True))
-            assert ("l2norm_fwd" in codes[0]) == custom_op_in_graph, choice
+            assert (custom_op in codes[0]) == custom_op_in_graph, choice
             torch._dynamo.reset()
             got = outputs_and_grads(torch.compile(run, backend="inductor", fullgraph=True))
             for a, b in zip(got, expected):
@@ -126,43 +118,26 @@ def test_qk_norm_choice_inductor_traces_plain_torch_ops_equal_to_the_kernel_op()
         torch._dynamo.reset()
 
 
+def test_qk_norm_choice_inductor_traces_plain_torch_ops_equal_to_the_kernel_op():
+    """``qk_norm: inductor``: the q/k L2 norm as torch ops, the op's output and the gradients of q, k, v, g, beta."""
+
+    def run(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    torch.manual_seed(5)
+    inputs = [torch.randn(1, 70, 2, 8), torch.randn(1, 70, 2, 8), torch.randn(1, 70, 4, 8),
+              F.logsigmoid(torch.randn(1, 70, 4)), torch.rand(1, 70, 4)]
+    _check_around_op_choice("qk_norm", "l2norm_fwd", run, inputs, torch.randn(1, 70, 4, 8))
+
+
 def test_conv_choice_inductor_traces_shifted_adds_equal_to_the_conv_op():
-    """With ``conv: inductor`` a compiled graph holds the causal conv as torch ops (no conv custom op) and gives the
-    op's output and the gradients of x, weight and bias, for dense and packed (cu_seqlens) batches."""
-    from megatron_muon.ops.kernel_choice import GdnKernels, gdn_kernels, set_gdn_kernels
-
+    """``conv: inductor``: the causal conv as torch ops, its output and the gradients of x, weight and bias, for dense
+    and packed (cu_seqlens) batches."""
     torch.manual_seed(6)
-    cases = [(torch.randn(2, 37, 12), None), (torch.randn(1, 40, 12), torch.tensor([0, 9, 25, 40]))]
     weight, bias = torch.randn(12, 4) * 0.4, torch.randn(12) * 0.1
-    before = gdn_kernels()
-    try:
-        for x, cu_seqlens in cases:
-            dy = torch.randn_like(x)
+    for x, cu_seqlens in ((torch.randn(2, 37, 12), None), (torch.randn(1, 40, 12), torch.tensor([0, 9, 25, 40]))):
 
-            def run(x, weight, bias, cu_seqlens=cu_seqlens):
-                return causal_conv1d(x, weight, bias, activation=None, cu_seqlens=cu_seqlens)
+        def run(x, weight, bias, cu_seqlens=cu_seqlens):
+            return causal_conv1d(x, weight, bias, activation=None, cu_seqlens=cu_seqlens)
 
-            def outputs_and_grads(fn):
-                leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
-                out = fn(*leaves)
-                return [out, *torch.autograd.grad(out, leaves, dy)]
-
-            expected = outputs_and_grads(run)
-            for choice, custom_op_in_graph in (("kernels", True), ("inductor", False)):
-                set_gdn_kernels(GdnKernels(conv=choice))
-                torch._dynamo.reset()
-                codes = []
-
-                def capture(gm, example_inputs):
-                    codes.append(gm.code)
-                    return gm.forward
-
-                outputs_and_grads(torch.compile(run, backend=capture, fullgraph=True))
-                assert ("causal_conv1d_fwd" in codes[0]) == custom_op_in_graph, choice
-                torch._dynamo.reset()
-                got = outputs_and_grads(torch.compile(run, backend="inductor", fullgraph=True))
-                for a, b in zip(got, expected):
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    finally:
-        set_gdn_kernels(before)
-        torch._dynamo.reset()
+        _check_around_op_choice("conv", "causal_conv1d_fwd", run, [x, weight, bias], torch.randn_like(x))
