@@ -22,11 +22,16 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, in x.dtype; in compiled graphs as plain torch ops where the GDN
     kernel choice says so (``qk_norm: inductor``), which Inductor can fuse with its neighbours."""
     if torch.compiler.is_compiling() and _qk_norm_traced_as_torch_ops():
-        dtype = _compute_dtype(x)
-        x_c = x.to(dtype)
-        return (x_c * torch.rsqrt(x_c.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+        return _l2norm_torch(x, eps)[0]
     y, _ = l2norm_fwd(x, float(eps))
     return y
+
+
+def _l2norm_torch(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(y in x.dtype, rstd fp32 [...]) in plain torch ops, computed in fp32 (fp64 for fp64 input)."""
+    x_c = x.to(_compute_dtype(x))
+    rstd = torch.rsqrt(x_c.square().sum(-1) + eps)
+    return (x_c * rstd[..., None]).to(x.dtype), rstd.float()
 
 
 @torch.compiler.assume_constant_result
@@ -70,9 +75,8 @@ def l2norm_fwd(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Returns (y in x.dtype, rstd fp32 [...])."""
     if backend_for(x) != "torch":
         return fla_backend.l2norm_forward(x, eps)
-    x_c = x.to(_compute_dtype(x))
-    rstd = torch.rsqrt(x_c.square().sum(-1) + eps)
-    return (x_c * rstd[..., None]).to(x.dtype).contiguous(), rstd.float()
+    y, rstd = _l2norm_torch(x, eps)
+    return y.contiguous(), rstd
 
 
 @l2norm_fwd.register_fake
