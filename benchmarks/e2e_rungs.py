@@ -32,11 +32,6 @@ WY backward and the gate gradient's reverse cumsum), `4i` with the forward's chu
 measured in the same run); `4ib` joins `4i` and `4b`, the two op-level gains at the hybrid's heads. `4s` is rung 4
 with GDN's chunk states in segments side by side on our Triton kernels (`model.gdn_kernels` states `segments`,
 `ops/state_segments.py`).
-`4v` is rung 4 with GDN's causal conv as torch ops in the compiled graph (`GdnKernels.conv: inductor`), which
-Inductor can fuse with the SiLU after it (forward) and the SiLU's gradient (backward) instead of the conv kernels;
-`4vl` also leaves the q/k L2 norm to Inductor (`qk_norm: inductor`), so conv, SiLU and norm can be one pass each way.
-The norm alone in Inductor measured level with rung 4 and kept 1.6 GiB more activations
-(`results/history/e2e_l2norm_in_graph_not_kept.md`), so it is measured here only together with the conv.
 A rung without its own GDN kernels runs the recipe's `model.gdn_kernels` (the default where the recipe names none); the
 other rung 4 variants name theirs, so on a recipe that names kernels they differ from it in more than one stage.
 `4z` is rung 4 with DDP's buffers zeroed every step and every gradient added (the gain of
@@ -62,7 +57,7 @@ difference between the two is the fused pre-norm, not the GDN or attention kerne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megatron_muon.ops.kernel_choice import GdnKernels
 
@@ -84,9 +79,6 @@ class Rung:
     first_grad_overwrite: bool = False  # each step's first gradient overwrites DDP's buffers (no zeroing pass)
     # GDN's chunk kernels: a preset of `ops.kernel_choice` or a per-stage mix; None: the recipe's (else the default)
     gdn_kernels: str | GdnKernels | None = None
-    # the q/k L2 norm and the causal conv in front of GDN's chunk op (`GdnKernels.qk_norm`, `.conv`), on any choice
-    qk_norm: str = "kernels"
-    conv: str = "kernels"
     spec_backend: str = "local"  # our spec's modules: "local" or Transformer Engine's ("te")
     muon_graphs: bool = False  # our Muon's stacks and Newton–Schulz replayed from a CUDA graph
 
@@ -133,11 +125,6 @@ RUNGS = {
     "4s": Rung("4s", "rung 4 with GDN's chunk states in segments side by side", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True,
                gdn_kernels=GdnKernels(states="segments")),
-    "4v": Rung("4v", "rung 4 with GDN's causal conv left to Inductor", "ours", "cudnn", True, "adam", True,
-               main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, conv="inductor"),
-    "4vl": Rung("4vl", "rung 4 with GDN's causal conv and q/k L2 norm left to Inductor", "ours", "cudnn", True, "adam",
-                True, main_grad_add=True, one_pass_adamw=True, first_grad_overwrite=True, conv="inductor",
-                qk_norm="inductor"),
     "4z": Rung("4z", "rung 4 with DDP's buffers zeroed every step", "ours", "cudnn", True, "adam", True,
                main_grad_add=True, one_pass_adamw=True),
     "4m": Rung("4m", "rung 4 with megatron's own main_grad add", "ours", "cudnn", True, "adam", True,
@@ -161,10 +148,9 @@ DEFAULT_RUNGS = ("1", "1r", "2", "3", "4e", "4", "5", "6")
 
 def rung_gdn_kernels(rung: Rung, recipe_choice: str | None) -> GdnKernels:
     """The kernels a rung runs GDN's ops on: its own choice, else the recipe's (`model.gdn_kernels`), else the
-    default, with the rung's q/k norm."""
+    default."""
     choice = rung.gdn_kernels if rung.gdn_kernels is not None else recipe_choice
-    kernels = GdnKernels.named(choice) if isinstance(choice, str) else (choice or GdnKernels())
-    return replace(kernels, qk_norm=rung.qk_norm, conv=rung.conv)
+    return GdnKernels.named(choice) if isinstance(choice, str) else (choice or GdnKernels())
 
 
 def parse_rungs(text: str) -> list[Rung]:

@@ -3,8 +3,6 @@
 Variants, each timed on the same random input [B=1, T, hidden=2048] in bf16 (--sizes hybrid-1.5b, the default: GDN
 6 heads, key head dim 256, value head dim 512, conv 4; --sizes qwen3-next: 16 q/k heads and 32 value heads of 128):
   ours eager / ours compiled   megatron_muon.layers.gated_deltanet.GatedDeltaNet (local spec, tp=1) on our custom ops
-  ours compiled, conv in Inductor   the same with the causal conv as torch ops in the graph (`conv: inductor`)
-  ours compiled, conv and qk norm in Inductor   and the q/k L2 norm as well (`qk_norm: inductor`)
   fla eager / fla compiled     fla.layers.GatedDeltaNet (flash-linear-attention 0.6; FLA itself hands K = V = 128
                                calls to FlashQLA where flash-qla is installed)
   megatron-core eager          megatron.core.ssm.gated_delta_net.GatedDeltaNet with a local (non-TE) spec
@@ -18,9 +16,9 @@ parameter layout, so ours is also checked against megatron-core's output on the 
 --chunk-op times the chunk op alone instead of the layer: ours (FlashQLA turned off and, where it runs, dispatched to
 FlashQLA), FLA's own kernels and FlashQLA called directly, on one input (gdn_chunk_op.py).
 
---profile adds, for our compiled layer (also with Inductor's conv, and conv and q/k norm) and FLA's eager layer (with
---chunk-op: our chunk op, split and fused, and FlashQLA's), a torch.profiler table of the kernels that take the most
-time per fwd+bwd step (CPU ops when run on the CPU), so the report shows where the time goes.
+--profile adds, for our compiled layer and FLA's eager layer (with --chunk-op: our chunk op, split and fused, and
+FlashQLA's), a torch.profiler table of the kernels that take the most time per fwd+bwd step (CPU ops when run on the
+CPU), so the report shows where the time goes.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_env import graph_replay_ms, package_versions  # noqa: E402
-from megatron_muon.ops.kernel_choice import gdn_kernels, set_gdn_kernels  # noqa: E402
 from kernel_profile import host_markdown, kernel_table, profile_markdown, python_table  # noqa: E402
 from gdn_chunk_op import (REFERENCE_VARIANT, against_flashqla, chunk_op_inputs, chunk_op_variants,  # noqa: E402
                           make_chunk_step, output_agreement)
@@ -52,10 +48,8 @@ REFERENCE = dict(hidden=2048, key_heads=6, value_heads=6, key_dim=256, value_dim
 QWEN3_NEXT = dict(hidden=2048, key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv=4)
 TINY = dict(hidden=64, key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv=4)
 SIZES = {"hybrid-1.5b": REFERENCE, "qwen3-next": QWEN3_NEXT, "tiny": TINY}
-PROFILED = ("ours compiled", "ours compiled, conv in Inductor", "ours compiled, conv and qk norm in Inductor",
-            "fla eager", "ours chunk op",
-            "ours chunk op (output terms: fused)", "ours chunk op (intra: ours)",
-            "ours chunk op (fused terms, fused grads, intra ours)", REFERENCE_VARIANT)
+PROFILED = ("ours compiled", "fla eager", "ours chunk op", "ours chunk op (output terms: fused)",
+            "ours chunk op (intra: ours)", "ours chunk op (fused terms, fused grads, intra ours)", REFERENCE_VARIANT)
 
 
 def timed_ms(fn, device: str, warmup: int, reps: int) -> tuple[float, float, float, float]:
@@ -326,8 +320,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (script smoke test; same as --sizes tiny)")
     parser.add_argument("--chunk-op", action="store_true", help="time the chunk op alone instead of the layer")
     parser.add_argument("--skip", default="", help="comma-separated variant prefixes to skip: ours eager, ours "
-                        "compiled (and its variants), ours compiled, conv (both conv variants), ours recompute, "
-                        "fla eager, fla compiled, megatron; with --chunk-op: FlashQLA, ours chunk op, fla chunk op")
+                        "compiled, ours recompute, fla eager, fla compiled, megatron; with --chunk-op: FlashQLA, "
+                        "ours chunk op, fla chunk op")
     parser.add_argument("--out", default="benchmarks/results/gdn.md")
     parser.add_argument("--profile", action="store_true",
                         help=f"add top-kernel tables for {' and '.join(PROFILED)} to the report")
@@ -379,19 +373,6 @@ def main() -> None:
     if wanted("ours compiled"):
         record(run_variant("ours compiled", lambda: fwd_bwd(torch.compile(ours), x, grad, True), device, args,
                            compiled=True, profiles=profiles))
-    for suffix, around_op in (("conv in Inductor", dict(conv="inductor")),
-                              ("conv and qk norm in Inductor", dict(qk_norm="inductor", conv="inductor"))):
-        if not wanted(f"ours compiled, {suffix}"):
-            continue
-
-        def make_ours_around_op_in_inductor(around_op=around_op):
-            set_gdn_kernels(replace(gdn_kernels(), **around_op))
-            return fwd_bwd(torch.compile(ours), x, grad, True)
-
-        before = gdn_kernels()
-        record(run_variant(f"ours compiled, {suffix}", make_ours_around_op_in_inductor, device, args, compiled=True,
-                           profiles=profiles))
-        set_gdn_kernels(before)
     if wanted("fla eager") or wanted("fla compiled"):
         fla = None
 

@@ -3,8 +3,7 @@
 y[t] = act(sum_w x[t - (W-1) + w] * weight[:, w] + bias) over x [B, T, D], weight [D, W]; with ``cu_seqlens``
 (B = 1, packed sequences) no tap reaches across a sequence start. CUDA tensors use FLA's Triton kernels when an FLA
 backend is selected (the backward of a dense conv without activation runs `conv_triton`'s one-pass kernel);
-otherwise the pure-torch version below (W shifted multiply-adds, fp32 accumulation), which compiled graphs also
-trace where ``GdnKernels.conv`` is "inductor".
+otherwise the pure-torch version below (W shifted multiply-adds, fp32 accumulation).
 """
 
 import torch
@@ -13,7 +12,6 @@ from torch import Tensor
 
 from megatron_muon.ops import conv_triton, fla_backend
 from megatron_muon.ops.backend import backend_for
-from megatron_muon.ops.kernel_choice import gdn_kernels
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -34,15 +32,7 @@ def causal_conv1d(
         raise ValueError(f"causal_conv1d: activation must be one of {_ACTIVATIONS}, got {activation!r}.")
     if cu_seqlens is not None and x.shape[0] != 1:
         raise ValueError(f"causal_conv1d: with cu_seqlens pack the sequences into batch 1; got batch {x.shape[0]}.")
-    if torch.compiler.is_compiling() and _conv_traced_as_torch_ops():
-        return _torch_forward(x, weight, bias, activation, cu_seqlens)
     return causal_conv1d_fwd(x, weight, bias, activation, cu_seqlens)
-
-
-@torch.compiler.assume_constant_result
-def _conv_traced_as_torch_ops() -> bool:
-    """Read once per trace as a constant (``GdnKernels.conv``): no guard; a compiled graph keeps the choice."""
-    return gdn_kernels().conv == "inductor"
 
 
 def _positions_in_sequence(cu_seqlens: Tensor | None, seq_len: int, device) -> Tensor | None:

@@ -19,18 +19,11 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``intra``: the chunk-parallel forward before the recurrence (the gate's chunk-local cumulative sum, the WY inverse,
   w and u): "fla" (FLA's cumsum, fused kkt + solve and `recompute_w_u`) or "ours" (one kernel,
   `ops/chunk_fwd_intra.py`).
-- ``conv``: the layer's causal conv (`ops/conv.py`): "kernels" (FLA's forward and our backward as custom ops) or
-  "inductor" (its shifted multiply-adds as torch ops where the graph is compiled, so Inductor can fuse it with the
-  SiLU after it and its gradient; eager keeps the kernels; opt-in until measured).
-- ``qk_norm``: the q/k L2 norm in front of the op (``use_qk_l2norm_in_kernel``): "kernels" (FLA's Triton kernels as
-  custom ops, eager and compiled) or "inductor" (plain torch ops where the graph is compiled; alone it measured level
-  and kept more activations, `benchmarks/results/history/e2e_l2norm_in_graph_not_kept.md`).
 
 Named presets: "ours" (gluon + ours + fla, the default), "fused" (gluon + ours + fused), "triton" (triton + ours +
 fla), "segments" (segments + ours + fla) and "fla" (FLA's everywhere).
 `set_gdn_kernels` (the recipe's ``model.gdn_kernels``) sets the choice; when nothing did, MEGATRON_MUON_GDN_KERNELS
-seeds it at the first op call. The ops read it inside their kernels, so it never becomes a guard in a compiled graph;
-``qk_norm`` and ``conv`` are read when a graph is traced, and the graph keeps the choice it was traced with.
+seeds it at the first op call. The ops read it inside their kernels, so it never becomes a guard in a compiled graph.
 """
 
 from __future__ import annotations
@@ -43,7 +36,6 @@ STATE_KERNELS = ("gluon", "triton", "fla", "segments")
 OUTPUT_GRAD_KERNELS = ("ours", "fused", "fla")
 OUTPUT_TERM_KERNELS = ("fla", "fused", "backward")
 INTRA_KERNELS = ("fla", "ours")
-AROUND_OP_KERNELS = ("kernels", "inductor")  # the q/k norm and the conv
 
 
 @dataclass(frozen=True)
@@ -54,8 +46,6 @@ class GdnKernels:
     output_grads: str = "ours"
     output_terms: str = "fla"
     intra: str = "fla"
-    qk_norm: str = "kernels"
-    conv: str = "kernels"
 
     def __post_init__(self):
         if self.states not in STATE_KERNELS:
@@ -66,10 +56,6 @@ class GdnKernels:
             raise ValueError(f"GDN output-term kernels {self.output_terms!r}; valid choices: {OUTPUT_TERM_KERNELS}")
         if self.intra not in INTRA_KERNELS:
             raise ValueError(f"GDN intra-chunk forward kernels {self.intra!r}; valid choices: {INTRA_KERNELS}")
-        if self.qk_norm not in AROUND_OP_KERNELS:
-            raise ValueError(f"GDN q/k L2-norm kernels {self.qk_norm!r}; valid choices: {AROUND_OP_KERNELS}")
-        if self.conv not in AROUND_OP_KERNELS:
-            raise ValueError(f"GDN causal-conv kernels {self.conv!r}; valid choices: {AROUND_OP_KERNELS}")
 
     @classmethod
     def named(cls, name: str, where: str = "gdn_kernels") -> GdnKernels:

@@ -11,7 +11,6 @@ from torch import Tensor
 
 from megatron_muon.ops import fla_backend
 from megatron_muon.ops.backend import backend_for
-from megatron_muon.ops.kernel_choice import gdn_kernels
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -19,26 +18,9 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in x.dtype; in compiled graphs as plain torch ops where the GDN
-    kernel choice says so (``qk_norm: inductor``), which Inductor can fuse with its neighbours."""
-    if torch.compiler.is_compiling() and _qk_norm_traced_as_torch_ops():
-        return _l2norm_torch(x, eps)[0]
+    """x / sqrt(sum(x^2) + eps) over the last dim, in x.dtype."""
     y, _ = l2norm_fwd(x, float(eps))
     return y
-
-
-def _l2norm_torch(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(y in x.dtype, rstd fp32 [...]) in plain torch ops, computed in fp32 (fp64 for fp64 input)."""
-    x_c = x.to(_compute_dtype(x))
-    rstd = torch.rsqrt(x_c.square().sum(-1) + eps)
-    return (x_c * rstd[..., None]).to(x.dtype), rstd.float()
-
-
-@torch.compiler.assume_constant_result
-def _qk_norm_traced_as_torch_ops() -> bool:
-    """Read once per trace as a constant: the process-wide choice adds no guard, and a compiled graph keeps the
-    choice it was traced with."""
-    return gdn_kernels().qk_norm == "inductor"
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
@@ -75,8 +57,9 @@ def l2norm_fwd(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Returns (y in x.dtype, rstd fp32 [...])."""
     if backend_for(x) != "torch":
         return fla_backend.l2norm_forward(x, eps)
-    y, rstd = _l2norm_torch(x, eps)
-    return y.contiguous(), rstd
+    x_c = x.to(_compute_dtype(x))
+    rstd = torch.rsqrt(x_c.square().sum(-1) + eps)
+    return (x_c * rstd[..., None]).to(x.dtype).contiguous(), rstd.float()
 
 
 @l2norm_fwd.register_fake

@@ -55,9 +55,8 @@ def test_only_the_te_rungs_build_our_spec_on_transformer_engine():
 
 
 def test_rungs_run_their_own_gdn_kernels_else_the_recipes_and_the_build_keeps_them():
-    """A recipe naming GDN kernels (the Qwen3-Next one: "fused") sets rung 4's; a rung naming its own wins over it,
-    and 4v / 4vl change only the ops around GDN's chunk op, on whichever applies. The built recipe names none, so
-    building the model does not reset the rung's choice."""
+    """A recipe naming GDN kernels (the Qwen3-Next one: "fused") sets rung 4's; a rung naming its own wins over it.
+    The built recipe names none, so building the model does not reset the rung's choice."""
     from e2e import rung_recipe
     from e2e_rungs import rung_gdn_kernels
 
@@ -68,13 +67,11 @@ def test_rungs_run_their_own_gdn_kernels_else_the_recipes_and_the_build_keeps_th
     assert qwen3.model.gdn_kernels == "fused"
     hybrid = load_recipe("hybrid-1.5b-h200", [])
     assert hybrid.model.gdn_kernels is None
-    on_qwen3 = {r.key: rung_gdn_kernels(r, qwen3.model.gdn_kernels) for r in parse_rungs("4,4f,4i,4v")}
-    assert on_qwen3 == {"4": PRESETS["fused"], "4f": PRESETS["fla"], "4i": GdnKernels(intra="ours"),
-                        "4v": GdnKernels("gluon", "ours", "fused", conv="inductor")}
-    on_hybrid = {r.key: rung_gdn_kernels(r, hybrid.model.gdn_kernels) for r in parse_rungs("4,4v,4vl")}
-    assert on_hybrid == {"4": GdnKernels(), "4v": GdnKernels(conv="inductor"),
-                         "4vl": GdnKernels(qk_norm="inductor", conv="inductor")}
-    assert all(rung_recipe(qwen3, r).model.gdn_kernels is None for r in parse_rungs("4,4v"))
+    on_qwen3 = {r.key: rung_gdn_kernels(r, qwen3.model.gdn_kernels) for r in parse_rungs("4,4f,4i")}
+    assert on_qwen3 == {"4": PRESETS["fused"], "4f": PRESETS["fla"], "4i": GdnKernels(intra="ours")}
+    on_hybrid = {r.key: rung_gdn_kernels(r, hybrid.model.gdn_kernels) for r in parse_rungs("4,4f,4i")}
+    assert on_hybrid == {"4": GdnKernels(), "4f": PRESETS["fla"], "4i": GdnKernels(intra="ours")}
+    assert all(rung_recipe(qwen3, r).model.gdn_kernels is None for r in parse_rungs("4,4i"))
 
 
 def test_only_rung_6g_replays_muons_newton_schulz_from_graphs():
@@ -97,25 +94,21 @@ def test_profiled_rungs_must_be_run():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode run; the GPU runs the real ladder")
 def test_cpu_ladder_compiled_equals_eager_over_20_steps(tmp_path):
     """On the tiny recipe (fp32, CPU): our spec trains, the compiled model (inductor) follows the eager run's loss for
-    20 steps, with GDN's conv and q/k norm left to Inductor too (4vl), and the report names each rung; the upstream
-    rung fails only for the stated reason (megatron-core's GDN needs FLA, absent on CPU) without hiding the others."""
+    20 steps, and the report names each rung; the upstream rung fails only for the stated reason (megatron-core's GDN
+    needs FLA, absent on CPU) without hiding the others."""
     out = tmp_path / "e2e.md"
     # A child process: the script starts its own process group and CPU mode, which must not leak into pytest.
-    subprocess.run([sys.executable, str(BENCHMARKS / "e2e.py"), "--recipe", "tiny-cpu", "--rungs", "1,4e,4,4vl",
+    subprocess.run([sys.executable, str(BENCHMARKS / "e2e.py"), "--recipe", "tiny-cpu", "--rungs", "1,4e,4",
                     "--steps", "20", "--warmup", "2", "--out", str(out), "--data-dir", str(tmp_path / "data")],
                    check=True, cwd=BENCHMARKS.parent, timeout=600)
     rows = {r["rung"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
-    assert set(rows) == {"1", "4e", "4", "4vl"}
+    assert set(rows) == {"1", "4e", "4"}
     losses = rows["4e"]["losses"]
     assert len(losses) == 20 and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.5 * losses[0]
     # fp32: compiled and eager differ by rounding only (measured identical to 4 decimals); a wrong fusion or a
     # stale graph shows up as a different trajectory within a few steps.
     torch.testing.assert_close(torch.tensor(rows["4"]["losses"]), torch.tensor(losses), rtol=1e-4, atol=0)
     assert rows["4"]["compiled"] and rows["4"]["recompiles"] == 0
-    # 4vl: GDN's conv and q/k L2 norm traced as torch ops (Inductor's own kernels on the CPU too), the same trajectory
-    torch.testing.assert_close(torch.tensor(rows["4vl"]["losses"]), torch.tensor(losses), rtol=1e-4, atol=0)
-    assert rows["4vl"]["recompiles"] == 0 and rows["4vl"]["graph_breaks"] == 0
-    assert rows["4vl"]["gdn_kernels"].endswith("qk_norm='inductor', conv='inductor')")
     assert rows["4"]["gdn_kernels"] == "ours"
     assert rows["4e"]["step_ms"] > 0 and 0 < rows["4e"]["optimizer_share"] < 1
     norms = rows["4e"]["grad_norms"]
