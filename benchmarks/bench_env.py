@@ -137,10 +137,7 @@ def graph_replay_ms(call, repeats: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    try:
-        return timed(graph.replay, torch.device("cuda"), 1, repeats)
-    finally:
-        del graph
+    return timed(graph.replay, torch.device("cuda"), 1, repeats)
 
 
 def timed(call, device, warmup: int, repeats: int) -> float:

@@ -288,8 +288,7 @@ def write_report(path, rows, meta, args, echo=True):
         peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else "-"
         lines.append(f"| {r['name']} | {r['ms']:.2f} | {ratio} | {r['stream_ms']:.2f} | {stream_ratio} | "
                      f"{r.get('host_ms', float('nan')):.2f} | {_kernels_ms(r)} | {r.get('breaks', '-')} | "
-                     f"{r.get('graphs', '-')} | "
-                     f"{r['first_ms']:.0f} | {peak} |")
+                     f"{r.get('graphs', '-')} | {r['first_ms']:.0f} | {peak} |")
     ours = next((r for r in rows if r["name"] == "ours compiled" and "ms" in r), None)
     if ours and best_fla:
         speedup = best_fla / ours["ms"]

@@ -67,12 +67,12 @@ def python_table(step, device: str, steps: int = PROFILE_STEPS, top: int = 12) -
     stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, primitive calls, self s, total s, ...)
     # torch's custom-op dispatch calls the op's implementation through Dynamo's disable wrapper, which hides the
     # nesting from cProfile: `backend_impl` is booked the implementation's whole time as its own (time counted twice)
-    doubled = [key for key in stats if key[2] == "backend_impl" and key[0].endswith("custom_ops.py")]
-    rows = sorted(((key, entry) for key, entry in stats.items() if key not in doubled),
-                  key=lambda item: -item[1][2])[:top]
-    total = sum(entry[2] for key, entry in stats.items() if key not in doubled) / steps * 1e3
+    kept = {key: entry for key, entry in stats.items()
+            if not (key[2] == "backend_impl" and key[0].endswith("custom_ops.py"))}
+    rows = sorted(kept.items(), key=lambda item: -item[1][2])[:top]
+    total = sum(entry[2] for entry in kept.values()) / steps * 1e3
     note = (" (torch's custom-op `backend_impl` left out: cProfile books it the op implementation's whole time again, "
-            "as its own)") if doubled else ""
+            "as its own)") if len(kept) < len(stats) else ""
     lines = ["", f"Python side: {total:.2f} ms of self time per step under cProfile{note} (which slows Python itself; "
                  "read the shares):", "", "| function | calls/step | self ms/step | cumulative ms/step |",
              "|---|---:|---:|---:|"]
