@@ -147,7 +147,8 @@ def fused_forward(shape: str, block_v: int, warps: int, stages: int, store_state
     return forward_kernel(shape, block_v, warps, stages, store_states, True)
 
 
-def _compile_gluon_sm90(kernel, shape: str, tensors: dict, constants: dict, maxnreg: int | None = None):
+def _compile_gluon_sm90(kernel, shape: str, tensors: dict, constants: dict, maxnreg: int | None = None,
+                        block_v: int | None = None):
     """A Gluon kernel compiled for sm90 at one of FUSED_SHAPES; `tensors` maps parameter names to "key", "state"
     or "value" (TMA descriptors of our kernels' tiles) or to a pointer type."""
     import torch
@@ -160,21 +161,23 @@ def _compile_gluon_sm90(kernel, shape: str, tensors: dict, constants: dict, maxn
     from megatron_muon.ops import state_ws
 
     key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
-    key, state, value = state_ws._layouts(torch.bfloat16)
+    block_v = block_v or state_ws.BLOCK_V
+    key, state, value = state_ws._layouts(torch.bfloat16, block_v)
     rows = torch.empty(256, heads * max(key_dim, value_dim), dtype=torch.bfloat16)
     descriptors = {
         "key": mangle_type(TensorDescriptor.from_tensor(rows[:, : heads * key_dim], [64, 64], key)),
-        "state": mangle_type(TensorDescriptor.from_tensor(rows[:, :key_dim], [state_ws.BLOCK_V, 64], state)),
-        "value": mangle_type(TensorDescriptor.from_tensor(rows, [64, state_ws.BLOCK_V], value)),
+        "state": mangle_type(TensorDescriptor.from_tensor(rows[:, :key_dim], [block_v, 64], state)),
+        "value": mangle_type(TensorDescriptor.from_tensor(rows, [64, block_v], value)),
     }
-    constants = {"H": heads, "GROUP": group, "K": key_dim, "V": value_dim, "BV": state_ws.BLOCK_V, **constants}
+    constants = {"H": heads, "GROUP": group, "K": key_dim, "V": value_dim, "BV": block_v, **constants}
     signature = {**{name: descriptors.get(kind, kind) for name, kind in tensors.items()}, "T": "i32", "NT": "i32",
                  **{name: "constexpr" for name in constants}}
     return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {}))
 
 
-def forward_gluon(shape: str, store_states: bool, with_output: bool, maxnreg: int | None = None):
+def forward_gluon(shape: str, store_states: bool, with_output: bool, maxnreg: int | None = None,
+                  block_v: int | None = None):
     """The warp-specialized Gluon forward state kernel (`ops/state_ws.py`), with the output inside when
     `with_output` (`ops/chunk_fwd_fused_ws.py`, key dims up to 128), compiled for sm90 at one of FUSED_SHAPES."""
     from megatron_muon.ops import state_ws
@@ -183,7 +186,7 @@ def forward_gluon(shape: str, store_states: bool, with_output: bool, maxnreg: in
                "v_desc": "value", "o_desc": "value", "g": "*fp32", "h0": "*fp32", "ht": "*fp32", "scale": "fp32"}
     return _compile_gluon_sm90(state_ws._chunk_state_fwd_ws_kernel, shape, tensors,
                                {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "STORE_STATES": store_states,
-                                "WITH_OUTPUT": with_output}, maxnreg)
+                                "WITH_OUTPUT": with_output}, maxnreg, block_v)
 
 
 def fused_forward_gluon(shape: str, store_states: bool = False):
@@ -192,7 +195,7 @@ def fused_forward_gluon(shape: str, store_states: bool = False):
     return forward_gluon(shape, store_states, True)
 
 
-def backward_gluon(shape: str, local_dv: bool, maxnreg: int | None = None):
+def backward_gluon(shape: str, local_dv: bool, maxnreg: int | None = None, block_v: int | None = None):
     """The warp-specialized Gluon state-gradient kernel (`ops/state_ws.py`) compiled for sm90 at one of
     FUSED_SHAPES, with or without the chunks' own value gradient inside."""
     from megatron_muon.ops import state_ws
@@ -201,7 +204,7 @@ def backward_gluon(shape: str, local_dv: bool, maxnreg: int | None = None):
                "do": "*bf16", "dv": "*bf16", "g": "*fp32", "dht": "*fp32", "dh0": "*fp32", "scale": "fp32"}
     return _compile_gluon_sm90(state_ws._chunk_state_bwd_ws_kernel, shape, tensors,
                                {"USE_FINAL_STATE_GRADIENT": True, "USE_INITIAL_STATE": True, "LOCAL_DV": local_dv},
-                               maxnreg)
+                               maxnreg, block_v)
 
 
 def fused_resources_table() -> None:
@@ -372,6 +375,29 @@ def gluon_register_cap_table(maxnreg: int) -> None:
             print(f"| {name} | {shape} | {used['registers']} | {used['stack']} | {used['shared'] / 1024:.1f} |")
 
 
+def gluon_value_block_table() -> None:
+    """Registers, stack bytes and shared memory of the Gluon state kernels per value block (`state_ws.chunk_forward`
+    / `chunk_dhu`'s `block_v`) at both shapes: what a wider or narrower block costs an SM."""
+    from megatron_muon.ops import state_ws
+
+    print("| kernel | shape | value block | blocks (grid) | registers | stack bytes | shared KiB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for shape, (key_dim, value_dim, heads, _) in FUSED_SHAPES.items():
+        for block_v in state_ws.BLOCK_V_CHOICES:
+            if value_dim % block_v:
+                continue
+            kernels = {"forward, states kept": lambda: forward_gluon(shape, True, False, block_v=block_v),
+                       "state gradient, local dv": lambda: backward_gluon(shape, True, block_v=block_v)}
+            for name, build in kernels.items():
+                try:
+                    used = resources(build())
+                except Exception as error:  # out of shared memory at this shape: say so in the table
+                    print(f"| {name} | {shape} | {block_v} | | does not compile: {type(error).__name__} | | |")
+                    continue
+                print(f"| {name} | {shape} | {block_v} | {heads * value_dim // block_v} | {used['registers']} | "
+                      f"{used['stack']} | {used['shared'] / 1024:.1f} |")
+
+
 def row(label: str, sass: str) -> str:
     count, opcodes = longest_loop(sass)
     return f"| {label} | {count} | " + " | ".join(str(opcodes[op]) for op in OPS) + " |"
@@ -386,6 +412,9 @@ def main() -> None:
         return
     if "--chunk-parallel" in sys.argv[1:]:
         fused_backward_table()
+        return
+    if "--gluon-value-blocks" in sys.argv[1:]:
+        gluon_value_block_table()
         return
     if "--gluon-maxnreg" in sys.argv[1:]:
         gluon_register_cap_table(int(sys.argv[sys.argv.index("--gluon-maxnreg") + 1]))

@@ -28,7 +28,8 @@ from megatron_muon.kernels.gluon_support import (FRONTEND_ERRORS, KernelSwitch, 
 
 CHUNK = 64
 KEY_SLICE = 64
-BLOCK_V = 32
+BLOCK_V = 32  # the value block the GDN ops run; the launchers take others (16, 64, 128) for measurements
+BLOCK_V_CHOICES = (16, 32, 64, 128)
 STAGES = 2  # two stages of q, k, w slices (3 × 32 KB each) fill the backward's shared memory
 SWITCH = KernelSwitch("warp-specialized Hopper GDN state kernel")
 
@@ -388,11 +389,17 @@ if gluon is not None:
 
 
 @functools.cache
-def _layouts(dtype: torch.dtype):
+def _layouts(dtype: torch.dtype, block_v: int = BLOCK_V):
     """Shared layouts of (a [64, 64] key-side slice, a [BV, 64] state slice, a [64, BV] value tile)."""
     element = gl.float16 if dtype == torch.float16 else gl.bfloat16
     return tuple(gl.NVMMASharedLayout.get_default_for(shape, element)
-                 for shape in ([CHUNK, KEY_SLICE], [BLOCK_V, KEY_SLICE], [CHUNK, BLOCK_V]))
+                 for shape in ([CHUNK, KEY_SLICE], [block_v, KEY_SLICE], [CHUNK, block_v]))
+
+
+def _check_block_v(block_v: int, value_dim: int) -> None:
+    if block_v not in BLOCK_V_CHOICES or value_dim % block_v:
+        raise ValueError(f"value block {block_v} for value dim {value_dim}: pick one of {BLOCK_V_CHOICES} that "
+                         "divides the value dim")
 
 
 def _rows(t: torch.Tensor, block: list, layout):
@@ -401,14 +408,14 @@ def _rows(t: torch.Tensor, block: list, layout):
     return TensorDescriptor.from_tensor(flat, block, layout)
 
 
-def _outputs(key: torch.Tensor, value: torch.Tensor, want_boundary: bool):
+def _outputs(key: torch.Tensor, value: torch.Tensor, want_boundary: bool, block_v: int = BLOCK_V):
     """(per-chunk states [B, NT, H, V, K], a tensor like `value`, a [B, H, V, K] fp32 boundary state or None) and
     the launch grid (value blocks, batch·heads), for a key-side tensor `key` with the value heads (w)."""
     batch, seq_len, heads, key_dim = key.shape
     value_dim = value.shape[-1]
     states = key.new_empty(batch, -(-seq_len // CHUNK), heads, value_dim, key_dim)
     boundary = key.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if want_boundary else None
-    return (states, torch.empty_like(value), boundary), (value_dim // BLOCK_V, batch * heads)
+    return (states, torch.empty_like(value), boundary), (value_dim // block_v, batch * heads)
 
 
 def _lengths_and_dims(states: torch.Tensor, seq_len: int, key_heads: int) -> tuple:
@@ -417,48 +424,50 @@ def _lengths_and_dims(states: torch.Tensor, seq_len: int, key_heads: int) -> tup
     return seq_len, chunks, heads, heads // key_heads, key_dim, value_dim
 
 
-def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False):
+def chunk_fwd_h(k, w, u, g, initial_state=None, output_final_state: bool = False, block_v: int = BLOCK_V):
     """`state_tma.chunk_fwd_h` on the warp-specialized kernel (where `ready`)."""
-    h, v_new, _, final = chunk_forward(k, w, u, g, initial_state, output_final_state)
+    h, v_new, _, final = chunk_forward(k, w, u, g, initial_state, output_final_state, block_v=block_v)
     return h, v_new, final
 
 
 def chunk_forward(k, w, u, g, initial_state=None, output_final_state: bool = False, *, q=None, scale: float = 1.0,
-                  store_states: bool = True):
+                  store_states: bool = True, block_v: int = BLOCK_V):
     """The forward kernel's launcher: (h, v_new, o, final state), each None where not asked for; with q the kernel
     also computes the output (`ops/chunk_fwd_fused_ws.py`). Without `store_states` h and v_new stay in shared
     memory; their descriptors then only lend their layouts."""
     batch, seq_len, heads, key_dim = w.shape
     value_dim = u.shape[-1]
-    key, state, value = _layouts(k.dtype)
+    _check_block_v(block_v, value_dim)
+    key, state, value = _layouts(k.dtype, block_v)
     h = k.new_empty(batch, -(-seq_len // CHUNK) if store_states else 1, heads, value_dim, key_dim)
     o = None if q is None else torch.empty_like(u)
     v_new = torch.empty_like(u) if store_states or o is None else o  # never written then: o's memory lends it
     final = k.new_empty(batch, heads, value_dim, key_dim, dtype=torch.float32) if output_final_state else None
     h0 = None if initial_state is None else initial_state.contiguous()
-    k_tiles, v_tiles = _rows(k, [CHUNK, KEY_SLICE], key), _rows(v_new, [CHUNK, BLOCK_V], value)
-    _chunk_state_fwd_ws_kernel[(value_dim // BLOCK_V, batch * heads)](
+    k_tiles, v_tiles = _rows(k, [CHUNK, KEY_SLICE], key), _rows(v_new, [CHUNK, block_v], value)
+    _chunk_state_fwd_ws_kernel[(value_dim // block_v, batch * heads)](
         k_tiles if q is None else _rows(q, [CHUNK, KEY_SLICE], key), k_tiles, _rows(w, [CHUNK, KEY_SLICE], key),
-        _rows(u, [CHUNK, BLOCK_V], value), _rows(h, [BLOCK_V, KEY_SLICE], state), v_tiles,
-        v_tiles if o is None else _rows(o, [CHUNK, BLOCK_V], value), g.contiguous(), h if h0 is None else h0,
+        _rows(u, [CHUNK, block_v], value), _rows(h, [block_v, KEY_SLICE], state), v_tiles,
+        v_tiles if o is None else _rows(o, [CHUNK, block_v], value), g.contiguous(), h if h0 is None else h0,
         h if final is None else final, float(scale), seq_len, -(-seq_len // CHUNK), heads, heads // k.shape[2],
-        key_dim, value_dim, BLOCK_V, h0 is not None, output_final_state, store_states, q is not None, num_warps=4,
+        key_dim, value_dim, block_v, h0 is not None, output_final_state, store_states, q is not None, num_warps=4,
     )
     return (h, v_new, o, final) if store_states else (None, None, o, final)
 
 
-def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False):
+def chunk_dhu(q, k, w, g, do, dv, scale: float, dht=None, want_dh0: bool = False, block_v: int = BLOCK_V):
     """`state_tma.chunk_dhu` on the warp-specialized kernel (where `ready`); dv None: the chunks' own value
     gradient is computed in the kernel."""
-    (dh, dv2, dh0), grid = _outputs(w, do, want_dh0)
-    key, state, value = _layouts(q.dtype)
+    _check_block_v(block_v, do.shape[-1])
+    (dh, dv2, dh0), grid = _outputs(w, do, want_dh0, block_v)
+    key, state, value = _layouts(q.dtype, block_v)
     dht = None if dht is None else dht.contiguous()
     do = do.contiguous()
     _chunk_state_bwd_ws_kernel[grid](
         _rows(q, [CHUNK, KEY_SLICE], key), _rows(k, [CHUNK, KEY_SLICE], key), _rows(w, [CHUNK, KEY_SLICE], key),
-        _rows(dh, [BLOCK_V, KEY_SLICE], state), _rows(dv2, [CHUNK, BLOCK_V], value), do,
+        _rows(dh, [block_v, KEY_SLICE], state), _rows(dv2, [CHUNK, block_v], value), do,
         do if dv is None else dv.contiguous(), g.contiguous(), dh if dht is None else dht, dh if dh0 is None else dh0,
-        float(scale), *_lengths_and_dims(dh, q.shape[1], q.shape[2]), BLOCK_V, dht is not None, want_dh0,
+        float(scale), *_lengths_and_dims(dh, q.shape[1], q.shape[2]), block_v, dht is not None, want_dh0,
         dv is None, num_warps=4,
     )
     return dh, dh0, dv2
