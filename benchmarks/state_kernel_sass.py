@@ -249,6 +249,22 @@ def fused_backward(shape: str, block_k: int, block_v: int, warps: int, stages: i
                         constants, warps)
 
 
+def onepass_backward(shape: str, warps: int, final_state: bool = True):
+    """The one-pass chunk backward (`ops/chunk_bwd_onepass.py`, K and V up to 128) compiled for sm90 at one of
+    FUSED_SHAPES."""
+    from megatron_muon.ops import chunk_bwd_onepass
+
+    key_dim, value_dim, heads, group = FUSED_SHAPES[shape]
+    names = ("q", "k", "v", "v_new", "w", "beta", "g", "A", "h", "do", "dht", "dq", "dk", "dv", "dbeta", "dg", "dh0",
+             "scratch")
+    signature = dict.fromkeys(names, "*bf16") | dict.fromkeys(("beta", "g", "dbeta", "dg", "dht", "dh0"), "*fp32")
+    signature |= {"scale": "fp32", "T": "i32", "NT": "i32"}
+    constants = dict(H=heads // group, HV=heads, K=key_dim, V=value_dim, BT=64, USE_DHT=final_state,
+                     STORE_DH0=final_state)
+    return compile_sm90(chunk_bwd_onepass._chunk_bwd_onepass_kernel,
+                        signature | dict.fromkeys(constants, "constexpr"), constants, warps)
+
+
 def fused_intra(shape: str, block_k: int, block_v: int, warps: int):
     """The one-kernel chunk-parallel forward (`ops/chunk_fwd_intra.py`) compiled for sm90 at one of FUSED_SHAPES."""
     from megatron_muon.ops import chunk_fwd_intra
@@ -281,7 +297,7 @@ def fused_backward_table() -> None:
     """Registers, spills and shared memory of every tile of the one-kernel chunk-parallel backward and forward at both
     shapes."""
     from megatron_muon.ops.chunk_bwd_fused import CONFIGS
-
+    from megatron_muon.ops.chunk_bwd_onepass import WARPS as ONEPASS_WARPS
     from megatron_muon.ops.chunk_fwd_intra import CONFIGS as INTRA
 
     print("| kernel | shape | BK / BV / warps (/ stages) | registers | stack bytes (spills) | shared KiB |")
@@ -290,6 +306,9 @@ def fused_backward_table() -> None:
         kernels = [("backward", config, lambda c=config: fused_backward(shape, *c)) for config in CONFIGS]
         kernels += [("forward, chunk-parallel part", config, lambda c=config: fused_intra(shape, *c))
                     for config in INTRA]
+        if FUSED_SHAPES[shape][0] <= 128:  # a program holds a head's whole state gradient
+            kernels += [("one-pass backward", (warps,), lambda n=warps: onepass_backward(shape, n))
+                        for warps in ONEPASS_WARPS]
         for name, config, build in kernels:
             used = resources(build())
             print(f"| {name} | {shape} | {'/'.join(map(str, config))} | {used['registers']} | {used['stack']} | "

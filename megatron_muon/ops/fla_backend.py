@@ -19,8 +19,8 @@ import importlib.util
 
 import torch
 
-from megatron_muon.ops import (chunk_bwd_fused, chunk_fwd_fused, chunk_fwd_fused_ws, chunk_fwd_intra, dqkwg,
-                               state_segments, state_tma, state_ws)
+from megatron_muon.ops import (chunk_bwd_fused, chunk_bwd_onepass, chunk_fwd_fused, chunk_fwd_fused_ws,
+                               chunk_fwd_intra, dqkwg, state_segments, state_tma, state_ws)
 from megatron_muon.ops.group_sum import group_sum
 from megatron_muon.ops.kernel_choice import gdn_kernels
 
@@ -224,6 +224,10 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
         if h.numel() == 0:
             w, u = _recomputed_w_u(k, v, beta, g_cumsum, a_inverse, cu_seqlens, chunk_indices)
             h, v_new, _ = _forward_states(k, w, u, g_cumsum, h0, False, cu_seqlens, chunk_indices)
+        if _on_onepass_backward(q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, cu_seqlens):
+            dq, dk, dv, dbeta, dg, dh0 = chunk_bwd_onepass.chunk_bwd_onepass(
+                q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, scale, dht=dht, want_dh0=h0 is not None)
+            return _backward_outputs(q, k, v, g, beta, initial_state, dq, dk, dv, dg, dbeta, dh0)
         dh, dh0, dv = _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_indices)
         if _on_fused_backward(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do, dh, dv, cu_seqlens):
             dq, dk, dv, dbeta, dg = chunk_bwd_fused.chunk_bwd_fused(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do,
@@ -279,9 +283,16 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _on_onepass_backward(q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, cu_seqlens) -> bool:
+    """Whether the whole backward runs as our one-pass kernel (dh in registers) for these inputs."""
+    return STATE_V_FIRST and gdn_kernels().output_grads == "one-pass" and chunk_bwd_onepass.qualifies(
+        q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, cu_seqlens, CHUNK_SIZE)
+
+
 def _on_fused_backward(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do, dh, du, cu_seqlens) -> bool:
-    """Whether the chunk-parallel rest of the backward runs as our one kernel for these inputs."""
-    return STATE_V_FIRST and gdn_kernels().output_grads == "fused" and chunk_bwd_fused.qualifies(
+    """Whether the chunk-parallel rest of the backward runs as our one kernel for these inputs ("one-pass" falls
+    back to it where its own kernel does not qualify)."""
+    return STATE_V_FIRST and gdn_kernels().output_grads in ("fused", "one-pass") and chunk_bwd_fused.qualifies(
         q, k, v, v_new, beta, g_cumsum, a_inverse, h, do, dh, du, cu_seqlens, CHUNK_SIZE)
 
 

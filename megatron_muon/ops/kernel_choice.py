@@ -7,9 +7,11 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
   gate has decayed it below 2^-24, exactly through the segment's transition where it has not; the bound on what is
   dropped holds for unit-norm keys and β in [0, 2], as GDN's layers give them: `ops/state_segments.py`; opt-in
   until measured).
-- ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours", "fla", or "fused" (ours with FLA's WY
+- ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours", "fla", "fused" (ours with FLA's WY
   backward and the gate gradient's reverse cumulative sum in the same kernel, `ops/chunk_bwd_fused.py`: dw never
-  leaves registers).
+  leaves registers), or "one-pass" (the whole backward, the state-gradient recurrence included, as one program per
+  value head with dh in registers, `ops/chunk_bwd_onepass.py`, for key and value dims up to 128 with the chunk states
+  kept or recomputed; elsewhere as "fused"; opt-in until measured).
 - ``output_terms``: the intra-chunk terms beside the state recurrences, the forward's output and the backward's
   local value gradient: "fla" (FLA's `chunk_fwd_o` and `chunk_bwd_dv_local`, around the recurrences of ``states``)
   or "fused" (computed inside our recurrences, in Gluon where ``states`` is "gluon" and the kernel applies, else in
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 KERNELS_ENV_VAR = "MEGATRON_MUON_GDN_KERNELS"
 STATE_KERNELS = ("gluon", "triton", "fla", "segments")
-OUTPUT_GRAD_KERNELS = ("ours", "fused", "fla")
+OUTPUT_GRAD_KERNELS = ("ours", "fused", "one-pass", "fla")
 OUTPUT_TERM_KERNELS = ("fla", "fused", "backward")
 INTRA_KERNELS = ("fla", "ours")
 

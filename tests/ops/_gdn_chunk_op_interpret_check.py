@@ -1,7 +1,8 @@
 """Run under TRITON_INTERPRET=1 in a subprocess: the GDN chunk op's forward and backward (`fla_backend.gdn_forward`,
 `gdn_backward`, what the custom op calls) with our kernels throughout, on CPU, against the token-by-token recurrence
 in fp64 and its autograd: the one-kernel chunk-parallel forward, the Triton fused forward (state and output), the
-Triton state-gradient kernel with the local value gradient and the one-kernel chunk-parallel backward; no FLA."""
+Triton state-gradient kernel with the local value gradient and the one-kernel chunk-parallel backward, then the
+one-pass backward (`ops/chunk_bwd_onepass.py`) in place of the last two; no FLA."""
 
 import torch
 
@@ -9,7 +10,7 @@ from tests.interpreter import patch_for_numpy_2_5
 
 patch_for_numpy_2_5()
 
-from megatron_muon.ops import fla_backend, kernel_choice  # noqa: E402
+from megatron_muon.ops import chunk_bwd_onepass, fla_backend, kernel_choice  # noqa: E402
 from megatron_muon.ops.reference import naive_recurrent_gated_delta_rule  # noqa: E402
 from tests.ops._state_tma_interpret_check import relative  # noqa: E402
 
@@ -43,7 +44,16 @@ def op_inputs(gen, batch, seq_len, heads, value_heads, key_dim, value_dim, decay
 
 
 def main():
-    kernel_choice.set_gdn_kernels(kernel_choice.GdnKernels("triton", "fused", "fused", "ours"))
+    for output_grads in ("fused", "one-pass"):
+        check(kernel_choice.GdnKernels("triton", output_grads, "fused", "ours"))
+    print("interpreter ok")
+
+
+def check(kernels):
+    kernel_choice.set_gdn_kernels(kernels)
+    onepass_calls = []
+    run_onepass = chunk_bwd_onepass.chunk_bwd_onepass
+    chunk_bwd_onepass.chunk_bwd_onepass = lambda *a, **kw: onepass_calls.append(1) or run_onepass(*a, **kw)
     gen = torch.Generator().manual_seed(7)
     # 150 tokens: two full chunks and a partial one; dense heads, then GVA (two value heads per query/key head) with
     # the chunk states kept and recomputed; an initial state and a gradient of the final state
@@ -68,9 +78,10 @@ def main():
         errors |= {name: relative(a, b) for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads,
                                                               want_grads)}
         shown = {name: f"{e:.1e}" for name, e in errors.items()}
-        print(f"heads {heads}/{value_heads}, states kept {keep_states}:", shown)
+        print(f"{kernels.output_grads}: heads {heads}/{value_heads}, states kept {keep_states}:", shown)
         assert max(errors.values()) < 3e-3, errors
-    print("interpreter ok")
+    chunk_bwd_onepass.chunk_bwd_onepass = run_onepass
+    assert len(onepass_calls) == (3 if kernels.output_grads == "one-pass" else 0), onepass_calls  # it did run
 
 
 if __name__ == "__main__":
