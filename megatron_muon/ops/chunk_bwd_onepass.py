@@ -6,7 +6,9 @@ backward and the gate gradient's chunk-local reverse cumulative sum.
 This is FlashQLA's backward structure (docs/design/gdn_kernels.md): the per-chunk state gradients dh never go to HBM
 (the split path writes them in one kernel and reads them back in the next), and each chunk's tiles are read once.
 A program holds a head's whole dh [V, K] in fp32, so it takes K and V up to 128 (Qwen3-Next's heads); at wider heads
-dh does not fit one SM and the key-side gradients would need summing across programs.
+dh does not fit one SM and the key-side gradients would need summing across programs. Where one program per value
+head would leave SMs idle, each sequence is cut into segments of whole chunks that run side by side, each from the
+exact state gradient at its end (`segment_ends`, from the state-gradient recurrence's per-chunk dh).
 
 Per chunk, from the last (g the chunk-local cumulative log2 gate, dh the gradient of the state after the chunk, h the
 state entering it, A the WY inverse; `ops/chunk_bwd_fused.py` gives the rest of the expressions):
@@ -122,13 +124,20 @@ if triton is not None:
             b_du_t = tl.dot(tl.trans(b_do), b_m.to(b_do.dtype), b_du_t).to(b_k.dtype)
             tl.debug_barrier()  # the previous chunk's reads of the scratch tiles are done
             tl.store(du_scratch + o_v[:, None] * BT + o_c[None, :], b_du_t)
-            # the output gradient's state part of dk, and the last row's gate gradient through the state
+            # the output gradients' parts that read v_new and the old dh (ops/dqkwg.py): dk's state part, the
+            # last row's gate gradient through it, and the scores' gradient ds (and dsᵀ, its own product)
+            b_dk = tl.dot(b_vn, b_dh_low) * decay[:, None]
+            b_dg_last = tl.sum(b_dk * b_k.to(tl.float32))
+            b_ds = tl.dot(b_do, tl.trans(b_vn))
+            b_ds = (tl.where(later, b_ds * gaps, 0.0) * scale).to(b_k.dtype)
+            earlier = (o_c[:, None] <= o_c[None, :]) & inside[None, :]  # b_ds_t[j, i] = ds[i, j]
+            b_ds_t = tl.dot(b_vn, tl.trans(b_do))
+            b_ds_t = tl.where(earlier, b_ds_t * tl.exp2(tl.where(earlier, b_g[None, :] - b_g[:, None], 0.0)), 0.0)
+            b_ds_t = (b_ds_t * scale).to(b_k.dtype)
             p_h = tl.make_block_ptr(h + ((i_b * NT + i_t) * HV + i_h).to(tl.int64) * V * K, (V, K), (K, 1), (0, 0),
                                     (V, K), (1, 0))
             b_h = tl.load(p_h)
-            b_dk = tl.dot(b_vn, b_dh_low) * decay[:, None]
-            b_dg_last = (tl.sum(b_h.to(tl.float32) * b_dh_low.to(tl.float32)) * tl.exp2(b_g_last)
-                         + tl.sum(b_dk * b_k.to(tl.float32)))
+            b_dg_last += tl.sum(b_h.to(tl.float32) * b_dh) * tl.exp2(b_g_last)
             # the state gradient before this chunk: dh ← 2^g_last·dh + scale·(2^g ⊙ do)ᵀ·q − duᵀ·w
             b_w = tl.load(_rows_tile(w, value_base * K, t0, T, HV, K, BT), boundary_check=(0,),
                           padding_option="zero")
@@ -137,16 +146,9 @@ if triton is not None:
             b_dh = tl.dot(-b_du_t, b_w, b_dh)
             tl.debug_barrier()
             b_du = tl.load(du_scratch + o_c[:, None] + o_v[None, :] * BT)  # [BT, V]
+            # the rest of the output gradients
             b_dq = tl.dot(b_do, b_h) * (b_g_exp * scale)[:, None]
             b_dw = (-tl.dot(b_du, b_h)).to(b_k.dtype)
-
-            # the output gradients (ops/dqkwg.py)
-            b_ds = tl.dot(b_do, tl.trans(b_vn))
-            b_ds = (tl.where(later, b_ds * gaps, 0.0) * scale).to(b_k.dtype)
-            earlier = (o_c[:, None] <= o_c[None, :]) & inside[None, :]  # b_ds_t[j, i] = ds[i, j]
-            b_ds_t = tl.dot(b_vn, tl.trans(b_do))
-            b_ds_t = tl.where(earlier, b_ds_t * tl.exp2(tl.where(earlier, b_g[None, :] - b_g[:, None], 0.0)), 0.0)
-            b_ds_t = (b_ds_t * scale).to(b_k.dtype)
             b_dq = tl.dot(b_ds, b_k, b_dq)
             b_dk = tl.dot(b_ds_t, b_q, b_dk)
             b_dg = tl.sum(b_dq * b_q.to(tl.float32), axis=1) - tl.sum(b_dk * b_k.to(tl.float32), axis=1)
@@ -200,11 +202,42 @@ if triton is not None:
                              key=["H", "HV", "K", "V"])(_chunk_bwd_onepass_kernel)
 
 
+MIN_SEGMENT_CHUNKS = 4
+
+
+def segments_for(q, v) -> int:
+    """How many segments to cut each sequence into so that the programs fill the GPU: a power of two, at most one
+    program per SM, each segment at least MIN_SEGMENT_CHUNKS chunks, dividing whole chunks (1 where T is not a
+    multiple of the chunk, or off CUDA)."""
+    batch, seq_len, value_heads = v.shape[:3]
+    if not q.is_cuda or seq_len % CHUNK:
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    chunks, segments = seq_len // CHUNK, 1
+    while (2 * segments * batch * value_heads <= sms and chunks % (2 * segments) == 0
+           and chunks // (2 * segments) >= MIN_SEGMENT_CHUNKS):
+        segments *= 2
+    return segments
+
+
+def segment_ends(dh, dht, segments: int):
+    """[B, S, HV, V, K] fp32: the state gradient after each segment's last chunk, from the per-chunk state gradients
+    dh [B, NT, HV, V, K] of the recurrence (the last segment's is dht itself, zeros without one)."""
+    batch, chunks = dh.shape[:2]
+    ends = dh.view(batch, segments, chunks // segments, *dh.shape[2:])[:, :, -1].float()
+    ends[:, -1] = 0.0 if dht is None else dht
+    return ends
+
+
 def chunk_bwd_onepass(q, k, v, v_new, w, beta, g, a_inverse, h, do, scale: float, dht=None, want_dh0: bool = False,
-                      num_warps: int | None = None):
+                      num_warps: int | None = None, ends=None):
     """(dq, dk like q; dv like v; dβ like beta; dg [B, T, HV] fp32, summed backwards within each chunk; dh0 [B, HV,
     V, K] fp32 or None), as the state-gradient kernel with the local dv, `chunk_dqkwg`, FLA's WY backward, the adds
-    and the reverse cumsum together; dht [B, HV, V, K] is the final state's gradient; `num_warps` pins the warps."""
+    and the reverse cumsum together; dht [B, HV, V, K] is the final state's gradient; `num_warps` pins the warps.
+    `ends` ([B, S, HV, V, K], `segment_ends`) cuts each sequence into S segments of whole chunks that run side by
+    side, each from its end's state gradient (dht is then not read)."""
+    if ends is not None:
+        return _on_segments(q, k, v, v_new, w, beta, g, a_inverse, h, do, scale, want_dh0, num_warps, ends)
     batch, seq_len, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
@@ -229,3 +262,19 @@ def chunk_bwd_onepass(q, k, v, v_new, w, beta, g, a_inverse, h, do, scale: float
     if value_heads != heads:
         dq, dk = group_sum(dq, heads), group_sum(dk, heads)
     return dq, dk, dv, dbeta, dg, dh0
+
+
+def _on_segments(q, k, v, v_new, w, beta, g, a_inverse, h, do, scale, want_dh0, num_warps, ends):
+    """The segments as rows of a batch: [B, T, ...] viewed as [B·S, T/S, ...] (T a multiple of S chunks)."""
+    batch, seq_len = q.shape[:2]
+    segments = ends.shape[1]
+    assert seq_len % (segments * CHUNK) == 0 and h.shape[1] % segments == 0, (seq_len, segments, h.shape)
+
+    def rows(x):
+        return x.view(batch * segments, x.shape[1] // segments, *x.shape[2:])
+
+    dq, dk, dv, dbeta, dg, dh0 = chunk_bwd_onepass(
+        *(rows(t) for t in (q, k, v, v_new, w, beta, g, a_inverse, h, do)), scale,
+        dht=ends.reshape(batch * segments, *ends.shape[2:]), want_dh0=want_dh0, num_warps=num_warps)
+    grads = tuple(t.view(batch, seq_len, *t.shape[2:]) for t in (dq, dk, dv, dbeta, dg))
+    return (*grads, None if dh0 is None else dh0.view(batch, segments, *dh0.shape[1:])[:, 0].contiguous())

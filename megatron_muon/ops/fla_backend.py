@@ -225,8 +225,13 @@ def gdn_backward(q, k, v, g, beta, g_cumsum, a_inverse, w, h, v_new, scale, init
             w, u = _recomputed_w_u(k, v, beta, g_cumsum, a_inverse, cu_seqlens, chunk_indices)
             h, v_new, _ = _forward_states(k, w, u, g_cumsum, h0, False, cu_seqlens, chunk_indices)
         if _on_onepass_backward(q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, cu_seqlens):
+            ends, segments = None, chunk_bwd_onepass.segments_for(q, v)
+            if segments > 1:  # one program per value head would leave SMs idle: segments side by side
+                dh, _, _ = _state_gradients(q, k, w, g_cumsum, do, scale, None, dht, cu_seqlens, chunk_indices)
+                ends = chunk_bwd_onepass.segment_ends(dh, dht, segments)
             dq, dk, dv, dbeta, dg, dh0 = chunk_bwd_onepass.chunk_bwd_onepass(
-                q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, scale, dht=dht, want_dh0=h0 is not None)
+                q, k, v, v_new, w, beta, g_cumsum, a_inverse, h, do, scale, dht=dht, want_dh0=h0 is not None,
+                ends=ends)
             return _backward_outputs(q, k, v, g, beta, initial_state, dq, dk, dv, dg, dbeta, dh0)
         dh, dh0, dv = _state_gradients(q, k, w, g_cumsum, do, scale, h0, dht, cu_seqlens, chunk_indices)
         if _on_fused_backward(q, k, v, v_new, beta, g_cumsum, a_inverse, h, do, dh, dv, cu_seqlens):

@@ -10,8 +10,9 @@ Stages (FLA's kernels run wherever ours do not qualify for the inputs):
 - ``output_grads``: the chunk output gradients (dq, dk, dw, dg): "ours", "fla", "fused" (ours with FLA's WY
   backward and the gate gradient's reverse cumulative sum in the same kernel, `ops/chunk_bwd_fused.py`: dw never
   leaves registers), or "one-pass" (the whole backward, the state-gradient recurrence included, as one program per
-  value head with dh in registers, `ops/chunk_bwd_onepass.py`, for key and value dims up to 128 with the chunk states
-  kept or recomputed; elsewhere as "fused"; opt-in until measured).
+  value head (or per segment of chunks side by side, after the state-gradient recurrence, where the heads alone would
+  leave SMs idle) with dh in registers, `ops/chunk_bwd_onepass.py`, for key and value dims up to 128; elsewhere as
+  "fused"; opt-in until measured).
 - ``output_terms``: the intra-chunk terms beside the state recurrences, the forward's output and the backward's
   local value gradient: "fla" (FLA's `chunk_fwd_o` and `chunk_bwd_dv_local`, around the recurrences of ``states``)
   or "fused" (computed inside our recurrences, in Gluon where ``states`` is "gluon" and the kernel applies, else in

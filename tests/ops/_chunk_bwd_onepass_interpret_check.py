@@ -8,7 +8,7 @@ from tests.interpreter import patch_for_numpy_2_5
 
 patch_for_numpy_2_5()
 
-from megatron_muon.ops.chunk_bwd_onepass import CHUNK, chunk_bwd_onepass, qualifies  # noqa: E402
+from megatron_muon.ops.chunk_bwd_onepass import CHUNK, chunk_bwd_onepass, qualifies, segment_ends  # noqa: E402
 from megatron_muon.ops.reference import (  # noqa: E402
     chunk_local_dv_reference,
     chunk_state_backward_reference,
@@ -27,6 +27,34 @@ def split_path(q, k, v, v_new, w, beta, g, h, do, dht, scale):
     dh, dh0, du = chunk_state_backward_reference(q_rep, k_rep, w64, g64, do64, dv_local, scale,
                                                  dht=None if dht is None else dht.double())
     return (*expected(q, k, v, v_new, beta, g, h, do, dh, du, scale), dh0)
+
+
+def segment_checks(gen, dtype):
+    """Sequences cut into segments of whole chunks side by side, each from the recurrence's state gradient at its
+    end (rounded to fp16 as the split path stores it): the same gradients as one pass, dh0 from the first segment."""
+    for batch, segments, value_heads, with_dht in ((1, 4, 2, True), (2, 2, 4, False)):
+        seq_len, heads, dim = 256, 2, 64
+        q, k = (torch.nn.functional.normalize(torch.randn(batch, seq_len, heads, dim, generator=gen), dim=-1).to(dtype)
+                for _ in range(2))
+        v, v_new, do = (torch.randn(batch, seq_len, value_heads, dim, generator=gen).to(dtype) for _ in range(3))
+        w = (torch.randn(batch, seq_len, value_heads, dim, generator=gen) * 0.1).to(dtype)
+        beta = torch.rand(batch, seq_len, value_heads, generator=gen)
+        h = (torch.randn(batch, seq_len // CHUNK, value_heads, dim, dim, generator=gen) * 0.5).to(dtype)
+        dht = torch.randn(batch, value_heads, dim, dim, generator=gen) if with_dht else None
+        g = chunk_local_log2_gates(batch, seq_len, value_heads, gen)
+        a_inverse = chunk_wy_inverse_reference(k, g, beta, value_heads=value_heads).to(dtype)
+        scale = dim**-0.5
+        q64, k64 = (t.double().repeat_interleave(value_heads // heads, dim=2) for t in (q, k))
+        dv_local = chunk_local_dv_reference(q.double(), k.double(), g.double(), do.double(), scale)
+        dh, _, _ = chunk_state_backward_reference(q64, k64, w.double(), g.double(), do.double(), dv_local, scale,
+                                                  dht=None if dht is None else dht.double())
+        ends = segment_ends(dh.to(dtype), dht, segments)
+        got = chunk_bwd_onepass(q, k, v, v_new, w, beta, g, a_inverse, h, do, scale, want_dh0=True, ends=ends)
+        want = split_path(q, k, v, v_new, w, beta, g, h, do, dht, scale)
+        errors = [relative(a, b) for a, b in zip(got, want)]
+        print(f"{segments} segments: errors dq dk dv dbeta dg dh0", [f"{e:.1e}" for e in errors])
+        assert [t.shape for t in got] == [t.shape for t in want]
+        assert max(errors) < 3e-3, errors
 
 
 def main():
@@ -64,6 +92,7 @@ def main():
         errors = [relative(a, b) for a, b in zip(got, want)]
         print("errors dq dk dv dbeta dg dh0", [f"{e:.1e}" for e in errors])
         assert max(errors) < 3e-3, errors
+    segment_checks(gen, dtype)
     assert not qualifies(*inputs, torch.tensor([0, 64]), CHUNK)
     wide = torch.zeros(1, 64, 1, 256, dtype=dtype)  # a [V, K] state of 256 columns does not fit a program
     assert not qualifies(wide, wide, *(t[:, :64, :1] for t in (v, v_new)), wide, *(t[:, :64, :1] for t in

@@ -53,9 +53,9 @@ def test_it_compiles_for_sm90_without_transposed_products(warps):
 @needs_gpu
 @pytest.mark.parametrize("warps", [None, *chunk_bwd_onepass.WARPS], ids=str)
 def test_onepass_backward_equals_the_split_path(warps):
-    """bf16 at Qwen3-Next's heads (16 q/k, 32 value heads of 128), with the final state's gradient: within 1e-2 of
-    our state-gradient kernel followed by the one-kernel chunk-parallel backward at 16k tokens; at 2k no further
-    from the fp64 references than twice the split path's error."""
+    """bf16 at Qwen3-Next's heads (16 q/k, 32 value heads of 128), with the final state's gradient, in one pass and
+    on segments side by side: within 1e-2 of our state-gradient kernel followed by the one-kernel chunk-parallel
+    backward at 16k tokens; at 2k no further from the fp64 references than twice the split path's error."""
     from megatron_muon.ops import chunk_bwd_fused, state_tma
     from megatron_muon.ops.reference import chunk_wy_inverse_reference
     from tests.ops._chunk_bwd_onepass_interpret_check import split_path
@@ -72,10 +72,16 @@ def test_onepass_backward_equals_the_split_path(warps):
         assert chunk_bwd_onepass.qualifies(*inputs, None, 64)
         ours = chunk_bwd_onepass.chunk_bwd_onepass(*inputs, scale, dht=dht, want_dh0=True, num_warps=warps)
         dh, dh0, du = state_tma.chunk_dhu(q, k, w, g, do, None, scale, dht=dht, want_dh0=True)
+        segments = chunk_bwd_onepass.segments_for(q, v)
+        assert segments > 1  # 32 value heads leave SMs idle at one program each
+        on_segments = chunk_bwd_onepass.chunk_bwd_onepass(
+            *inputs, scale, want_dh0=True, num_warps=warps,
+            ends=chunk_bwd_onepass.segment_ends(dh, dht, segments))
         split = (*chunk_bwd_fused.chunk_bwd_fused(q, k, v, v_new, beta, g, a_inverse, h, do, dh, du, scale), dh0)
         names = ("dq", "dk", "dv", "dbeta", "dg", "dh0")
-        for name, got, want in zip(names, ours, split):
-            assert got.shape == want.shape and _relative(got, want) < 1e-2, name
+        for name, got, cut, want in zip(names, ours, on_segments, split):
+            assert got.shape == cut.shape == want.shape and _relative(got, want) < 1e-2, name
+            assert _relative(cut, want) < 1e-2, name
         if seq_len == 2048:
             reference = split_path(*(t.cpu() for t in (q, k, v, v_new, w, beta, g, h, do, dht)), scale)
             for name, got, theirs, want in zip(names, ours, split, reference):
@@ -88,8 +94,9 @@ def _relative(got, want):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("seq_len, keep_states, gva", [(1008, True, False), (1008, False, False), (1008, True, True)],
-                         ids=["kept-states", "recomputed-states", "gva"])
+@pytest.mark.parametrize("seq_len, keep_states, gva", [(1008, True, False), (1008, False, False), (1008, True, True),
+                                                     (1024, True, True)],
+                         ids=["kept-states", "recomputed-states", "gva", "gva-segments"])
 def test_gdn_op_on_the_onepass_backward_matches_the_torch_backend(monkeypatch, seq_len, keep_states, gva):
     """The GDN custom op with output_grads "one-pass" at key and value dims of 128 (the kernel's): outputs and all
     gradients within FLA's tolerances of the torch backend, and the one kernel really ran."""
