@@ -41,14 +41,20 @@ KEY_DIMS = (64, 128, 256)
 VALUE_DIM_MULTIPLE = 64  # the widest value block in CONFIGS
 
 
+def dense_chunks_here(q, v, cu_seqlens, chunk_size: int) -> bool:
+    """What the one-kernel backwards (this one and `ops/chunk_bwd_onepass.py`) need before their shapes: Triton, an
+    sm90 GPU (or the interpreter for CPU tensors), dense equal-length [B, T, heads, dim] batches, 64-token chunks."""
+    on_device = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    if triton is None or not (on_device or (_INTERPRETING and q.device.type == "cpu")):
+        return False
+    return cu_seqlens is None and chunk_size == CHUNK and q.dim() == 4 and v.dim() == 4
+
+
 def qualifies(q, k, v, v_new, beta, g, a_inverse, h, do, dh, du, cu_seqlens, chunk_size: int) -> bool:
     """Dense equal-length bf16/fp16 inputs (q, k [B, T, H, K]; v, v_new, do, du [B, T, HV, V]; beta, g [B, T, HV];
     A [B, T, HV, 64]; h, dh [B, NT, HV, V, K]) on an sm90 GPU (or the interpreter), contiguous, with key dim 64, 128
     or 256 and a value dim that the value blocks divide."""
-    on_device = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-    if triton is None or not (on_device or (_INTERPRETING and q.device.type == "cpu")):
-        return False
-    if cu_seqlens is not None or chunk_size != CHUNK or q.dim() != 4 or v.dim() != 4:
+    if not dense_chunks_here(q, v, cu_seqlens, chunk_size):
         return False
     batch, seq_len, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[-1]
@@ -82,6 +88,17 @@ if triton is not None:
                   BK: tl.constexpr):
         """Block pointer to the [BT, BK] tile at (t0, k0) of one value head of x [B, T, HV, K]."""
         return tl.make_block_ptr(x + value_base * K, (T, K), (HV * K, 1), (t0, k0), (BT, BK), (1, 0))
+
+    @triton.jit
+    def inverse_gradient(b_dA, b_A, b_g, o_t, inside):
+        """dA taken through the WY inverse, as FLA's WY kernel takes it (b_A the Aᵀ tile, o_t the chunk's rows,
+        inside: real tokens): the strictly-lower part's −A·dA·A products, times the gate gaps, in A's dtype."""
+        strictly_lower = (o_t[:, None] > o_t[None, :]) & (inside[:, None] & inside[None, :])
+        b_dA = tl.where(strictly_lower, b_dA, 0)
+        b_dA = tl.dot(b_dA.to(b_A.dtype), b_A)
+        b_dA = tl.dot(b_A, b_dA.to(b_A.dtype))
+        b_dA *= tl.exp2(tl.where(strictly_lower, b_g[:, None] - b_g[None, :], 0.0))
+        return tl.where(strictly_lower, -b_dA, 0).to(b_A.dtype)
 
     @triton.jit
     def _chunk_bwd_fused_kernel(
@@ -183,13 +200,7 @@ if triton is not None:
             tl.store(_key_tile(dk, value_base, t0, k0, T, HV, K, BT, BK), b_dk.to(dk.dtype.element_ty),
                      boundary_check=(0,))
 
-        # the inverse's gradient, as FLA's WY kernel takes it
-        strictly_lower = (o_t[:, None] > o_t[None, :]) & (inside[:, None] & inside[None, :])
-        b_dA = tl.where(strictly_lower, b_dA, 0)
-        b_dA = tl.dot(b_dA.to(b_A.dtype), b_A)
-        b_dA = tl.dot(b_A, b_dA.to(b_A.dtype))
-        b_dA *= tl.exp2(tl.where(strictly_lower, b_g[:, None] - b_g[None, :], 0.0))
-        b_dA = tl.where(strictly_lower, -b_dA, 0).to(k.dtype.element_ty)
+        b_dA = inverse_gradient(b_dA, b_A, b_g, o_t, inside)
         # dAᵀ through a scratch tile: a transpose of a product's result miscompiles on Hopper with Triton 3.4 to
         # 3.7.0 (the tensor-core layout transposed; FLA issue #640), a loaded tile's does not
         p_dA = tl.make_block_ptr(dA_scratch + (i_bh * NT + i_t).to(tl.int64) * BT * BT, (BT, BT), (BT, 1), (0, 0),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from megatron_muon.kernels.triton_math import INTERPRETING as _INTERPRETING
+from megatron_muon.ops.chunk_bwd_fused import dense_chunks_here
 from megatron_muon.ops.group_sum import group_sum
 
 try:
@@ -43,10 +44,7 @@ def qualifies(q, k, v, v_new, w, beta, g, a_inverse, h, do, cu_seqlens, chunk_si
     """Dense equal-length bf16/fp16 inputs (q, k [B, T, H, K]; v, v_new, do [B, T, HV, V]; w [B, T, HV, K]; beta, g
     [B, T, HV]; A [B, T, HV, 64]; h [B, NT, HV, V, K], the kept chunk states) on an sm90 GPU (or the interpreter),
     contiguous, with key and value dims of 64 or 128."""
-    on_device = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-    if triton is None or not (on_device or (_INTERPRETING and q.device.type == "cpu")):
-        return False
-    if cu_seqlens is not None or chunk_size != CHUNK or q.dim() != 4 or v.dim() != 4:
+    if not dense_chunks_here(q, v, cu_seqlens, chunk_size):
         return False
     batch, seq_len, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[-1]
@@ -67,6 +65,7 @@ def qualifies(q, k, v, v_new, w, beta, g, a_inverse, h, do, cu_seqlens, chunk_si
 
 
 if triton is not None:
+    from megatron_muon.ops.chunk_bwd_fused import inverse_gradient
 
     @triton.jit
     def _rows_tile(x, base, t0, T, HEADS: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
@@ -173,12 +172,7 @@ if triton is not None:
             b_dk += b_dkbg * (b_g_exp * b_b)[:, None]
             b_db += tl.sum(b_dkbg * b_k * b_g_exp[:, None], 1)
             b_dg += tl.sum(b_dkbg * b_kbg, 1)
-            strictly_lower = (o_c[:, None] > o_c[None, :]) & (inside[:, None] & inside[None, :])
-            b_dA = tl.where(strictly_lower, b_dA, 0)
-            b_dA = tl.dot(b_dA.to(b_A.dtype), b_A)
-            b_dA = tl.dot(b_A, b_dA.to(b_A.dtype))
-            b_dA *= tl.exp2(tl.where(strictly_lower, b_g[:, None] - b_g[None, :], 0.0))
-            b_dA = tl.where(strictly_lower, -b_dA, 0).to(b_k.dtype)
+            b_dA = inverse_gradient(b_dA, b_A, b_g, o_c, inside)
             tl.store(dA_scratch + o_c[:, None] * BT + o_c[None, :], b_dA)
             tl.debug_barrier()
             b_dA_t = tl.load(dA_scratch + o_c[:, None] + o_c[None, :] * BT)
