@@ -239,6 +239,15 @@ if triton is not None:
     )(_chunk_bwd_fused_kernel)
 
 
+def gradient_outputs(q, v, beta):
+    """The one-kernel backwards' outputs, uninitialized: dq, dk per value head [B, T, HV, K] (`group_sum` folds them
+    under GVA), dv like v, dβ like beta, dg [B, T, HV] fp32."""
+    batch, seq_len, value_heads = v.shape[:3]
+    per_value_head = (batch, seq_len, value_heads, q.shape[-1])
+    dg = torch.empty(batch, seq_len, value_heads, dtype=torch.float32, device=q.device)
+    return q.new_empty(per_value_head), q.new_empty(per_value_head), torch.empty_like(v), torch.empty_like(beta), dg
+
+
 def chunk_bwd_fused(q, k, v, v_new, beta, g, a_inverse, h, do, dh, du, scale: float, config=None):
     """(dq, dk like q; dv like v; dβ like beta; dg [B, T, HV] fp32, already summed backwards within each chunk), as
     ours `chunk_dqkwg` followed by FLA's `prepare_wy_repr_bwd`, the dk and dg adds and `chunk_local_cumsum(dg,
@@ -246,10 +255,7 @@ def chunk_bwd_fused(q, k, v, v_new, beta, g, a_inverse, h, do, dh, du, scale: fl
     batch, seq_len, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
-    per_value_head = (batch, seq_len, value_heads, key_dim)
-    dq, dk = q.new_empty(per_value_head), q.new_empty(per_value_head)
-    dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
-    dg = torch.empty(batch, seq_len, value_heads, dtype=torch.float32, device=q.device)
+    dq, dk, dv, dbeta, dg = gradient_outputs(q, v, beta)
     scratch = q.new_empty(batch * value_heads * chunks * CHUNK * CHUNK)  # one [64, 64] tile per program
     args = (q, k, v, v_new, beta, g, a_inverse, h, do, dh, du, dq, dk, dv, dbeta, dg, scratch, float(scale), seq_len,
             chunks)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from megatron_muon.kernels.triton_math import INTERPRETING as _INTERPRETING
-from megatron_muon.ops.chunk_bwd_fused import dense_chunks_here
+from megatron_muon.ops.chunk_bwd_fused import dense_chunks_here, gradient_outputs
 from megatron_muon.ops.group_sum import group_sum
 
 try:
@@ -235,10 +235,7 @@ def chunk_bwd_onepass(q, k, v, v_new, w, beta, g, a_inverse, h, do, scale: float
     batch, seq_len, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[-1]
     chunks = triton.cdiv(seq_len, CHUNK)
-    per_value_head = (batch, seq_len, value_heads, key_dim)
-    dq, dk = q.new_empty(per_value_head), q.new_empty(per_value_head)
-    dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
-    dg = torch.empty(batch, seq_len, value_heads, dtype=torch.float32, device=q.device)
+    dq, dk, dv, dbeta, dg = gradient_outputs(q, v, beta)
     dh0 = (torch.empty(batch, value_heads, value_dim, key_dim, dtype=torch.float32, device=q.device) if want_dh0
            else None)
     scratch = q.new_empty(batch * value_heads * (value_dim * CHUNK + CHUNK * CHUNK))
